@@ -1,0 +1,1 @@
+"""mlx-qsa: QSA (Qwen sparse attention) for MLX."""

@@ -1,0 +1,5 @@
+import sys
+
+from mlx_qsa.cli import main
+
+sys.exit(main())
