@@ -6,6 +6,7 @@ Pure Python: no MLX import, so routing code and tests can use it without arrays.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -336,3 +337,50 @@ class QSAOptions:
     def to_trace_dict(self) -> dict[str, Any]:
         """The trace record's `options` object (15 keys, table order)."""
         return {k: getattr(self, k) for k in TRACE_OPTION_KEYS}
+
+
+# ------------------------------------------------------------------------------------
+# RoPE inverse frequencies (QSA.md §5, RUNTIME.md §9.1 / §10.1)
+
+# float32 bits of f_i = theta^(-2i/d_r) for theta = 1e7, d_r = 64, used verbatim.
+ROPE_FREQUENCY_BITS_1E7_64 = (
+    0x3F800000, 0x3F1AB32B, 0x3EBAF81A, 0x3E61F835, 0x3E088D77, 0x3DA50956, 0x3D47763E, 0x3CF11177,
+    0x3C91AD39, 0x3C301051, 0x3BD4CA14, 0x3B80967D, 0x3B1B690D, 0x3ABBD3ED, 0x3A6301E0, 0x3A092E02,
+    0x39A5CB60, 0x394860C1, 0x38F22CE2, 0x3892587E, 0x3830DF51, 0x37D5C441, 0x37812DAB, 0x371C1FC3,
+    0x36BCB0C1, 0x36640CC6, 0x3609CF4A, 0x35A68E4B, 0x35494C57, 0x34F3499B, 0x3493048D, 0x3431AF43,
+)  # fmt: skip
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def inv_frequencies(cfg: QSAConfig) -> list[float]:
+    """The d_r/2 inverse frequencies as float32 values (Python floats, exactly representable).
+
+    The fixed table for theta = 1e7, d_r = 64; otherwise computed in float64 and rounded.
+    """
+    d_r = cfg.rotary_dim
+    if cfg.rope_theta == 10_000_000.0 and d_r == 64:
+        return [struct.unpack("<f", struct.pack("<I", b))[0] for b in ROPE_FREQUENCY_BITS_1E7_64]
+    return [_f32(float(cfg.rope_theta) ** (-2.0 * i / d_r)) for i in range(d_r // 2)]
+
+
+def mrope_axes(cfg: QSAConfig) -> list[int]:
+    """Axis (0 = T, 1 = H, 2 = W) that drives each frequency pair i (QSA.md §5).
+
+    Without `mrope_section` every pair uses axis T (1-D RoPE).
+    """
+    n = cfg.rotary_dim // 2
+    if cfg.mrope_section is None:
+        return [0] * n
+    _, sec_h, sec_w = cfg.mrope_section
+    axes = []
+    for i in range(n):
+        if i % 3 == 1 and i < 3 * sec_h:
+            axes.append(1)
+        elif i % 3 == 2 and i < 3 * sec_w:
+            axes.append(2)
+        else:
+            axes.append(0)
+    return axes
