@@ -22,19 +22,13 @@ from mlx_qsa.config import QSAOptions
 # Counters (§5.7)
 
 TRACE_COUNTERS = (
-    "metal_selector",
-    "flash_kernel",
-    "gather_tier",
-    "dense_fallback",
-    "decode_gather",
+    "metal_selector", "flash_kernel", "gather_tier", "dense_fallback", "decode_gather",
     "compiled_selector",
-)
+)  # fmt: skip
+# Kept by the library, omitted from the trace.
 LIBRARY_COUNTERS = TRACE_COUNTERS + (
-    "eager_selector",
-    "decode_flash_skip",
-    "decode_dense_mask",
-    "direct_kernel",
-)
+    "eager_selector", "decode_flash_skip", "decode_dense_mask", "direct_kernel",
+)  # fmt: skip
 
 
 def ordered_counts(names: Iterable[str], trace_only: bool = True) -> dict[str, int]:
@@ -221,6 +215,7 @@ class Predicates:
 
 
 def predicates(opts: QSAOptions, call: CallShape) -> Predicates:
+    """`large`, `gatherable`, `tiled` of §5.1 (prefill_min_context raised to 2049)."""
     S, T = call.rows, call.T
     large = opts.prefill and S >= opts.prefill_min_rows and T >= opts.effective_prefill_min_context
     gatherable = opts.gather and S <= opts.gather_max_rows and T >= opts.gather_min_context
@@ -252,19 +247,12 @@ def indexer_mode(opts: QSAOptions, caps: Capabilities, call: CallShape) -> str:
 
 
 def compiled_blockers(
-    opts: QSAOptions,
-    caps: Capabilities,
-    call: CallShape,
-    mode: str,
-    *,
-    index_kv_heads: int = 1,
-    index_head_dim: int = 128,
-    input_dtype: str = "bfloat16",
-    norm_dtype: str = "bfloat16",
-    raw_backing: tuple[int, str] | None = None,
-    pooled_backing: tuple[int, str] | None = None,
+    opts: QSAOptions, caps: Capabilities, call: CallShape, mode: str, *,
+    index_kv_heads: int = 1, index_head_dim: int = 128,
+    input_dtype: str = "bfloat16", norm_dtype: str = "bfloat16",
+    raw_backing: tuple[int, str] | None = None, pooled_backing: tuple[int, str] | None = None,
     pooled_len: int = 0,
-) -> tuple[int, ...]:
+) -> tuple[int, ...]:  # fmt: skip
     """Numbers of the §5.3 rules that fail (empty = the call is compiled)."""
     eff = caps.effective_options(opts)
     S, decode = call.rows, call.decode
@@ -284,12 +272,8 @@ def compiled_blockers(
         failed.append(4)
     cap_raw = raw_backing[0] if raw_backing is not None else 0
     backings_ok = all(b is None or b[1] == input_dtype for b in (raw_backing, pooled_backing))
-    if (
-        input_dtype not in DTYPES
-        or input_dtype != norm_dtype
-        or not backings_ok
-        or cap_raw < call.pos
-    ):
+    dtype_ok = input_dtype in DTYPES and input_dtype == norm_dtype and backings_ok
+    if not dtype_ok or cap_raw < call.pos:
         failed.append(5)
     # The compiled staging window re-pools at most m trailing blocks.
     if call.nb - min(pooled_len, call.nb) > call.m:
@@ -356,37 +340,25 @@ def _eager_selection(
 
 
 def plan_indexer(
-    opts: QSAOptions,
-    caps: Capabilities,
-    call: CallShape,
-    *,
-    fused_level: int,
-    index_kv_heads: int = 1,
-    index_head_dim: int = 128,
-    input_dtype: str = "bfloat16",
-    norm_dtype: str = "bfloat16",
-    raw_backing: tuple[int, str] | None = None,
-    pooled_backing: tuple[int, str] | None = None,
+    opts: QSAOptions, caps: Capabilities, call: CallShape, *, fused_level: int,
+    index_kv_heads: int = 1, index_head_dim: int = 128,
+    input_dtype: str = "bfloat16", norm_dtype: str = "bfloat16",
+    raw_backing: tuple[int, str] | None = None, pooled_backing: tuple[int, str] | None = None,
     pooled_len: int = 0,
-) -> IndexerPlan:
-    """Mode, compiled eligibility, selection kind and selector of one indexer call."""
+) -> IndexerPlan:  # fmt: skip
+    """Mode, compiled eligibility, selection kind and selector of one indexer call.
+
+    `raw_backing` / `pooled_backing` are (capacity, dtype) of states 0 / 1, None if absent.
+    """
     if fused_level not in (0, 3, 4):
         raise ValueError(f"plan_indexer(fused_level): expected 0, 3 or 4, got {fused_level!r}")
     _check_nonneg("plan_indexer(pooled_len)", pooled_len)
     mode = indexer_mode(opts, caps, call)
     blockers = compiled_blockers(
-        opts,
-        caps,
-        call,
-        mode,
-        index_kv_heads=index_kv_heads,
-        index_head_dim=index_head_dim,
-        input_dtype=input_dtype,
-        norm_dtype=norm_dtype,
-        raw_backing=raw_backing,
-        pooled_backing=pooled_backing,
-        pooled_len=pooled_len,
-    )
+        opts, caps, call, mode, index_kv_heads=index_kv_heads, index_head_dim=index_head_dim,
+        input_dtype=input_dtype, norm_dtype=norm_dtype, raw_backing=raw_backing,
+        pooled_backing=pooled_backing, pooled_len=pooled_len,
+    )  # fmt: skip
     fused_prep = caps.effective_options(opts).fused
     source = "qk_rows" if fused_level == 4 else "hidden"
     if not blockers:
@@ -414,13 +386,7 @@ class ConsumerPlan:
 
 
 def prefill_flash_contract(
-    *,
-    n_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    block_topk: int,
-    dtype: str,
-    scale: float,
+    *, n_heads: int, kv_heads: int, head_dim: int, block_topk: int, dtype: str, scale: float
 ) -> bool:
     """The `prefill_flash` kernel contract of §5.6 (P + S == T holds by construction)."""
     return (
@@ -434,15 +400,9 @@ def prefill_flash_contract(
 
 
 def plan_consumers(
-    opts: QSAOptions,
-    caps: Capabilities,
-    call: CallShape,
-    selection: str,
-    *,
-    has_indexer: bool,
-    vision: str = "none",
-    prefill_flash_contract: bool = True,
-) -> ConsumerPlan:
+    opts: QSAOptions, caps: Capabilities, call: CallShape, selection: str, *,
+    has_indexer: bool, vision: str = "none", prefill_flash_contract: bool = True,
+) -> ConsumerPlan:  # fmt: skip
     """§5.6: the consumer chain for `selection` (dropped without indexer or with vision)."""
     if selection not in SELECTIONS:
         raise ValueError(
@@ -485,12 +445,7 @@ def plan_consumers(
 
 
 def prefill_score_producer(
-    caps: Capabilities,
-    q_dtype: str,
-    pooled_dtype: str,
-    *,
-    n_heads: int = 4,
-    head_dim: int = 128,
+    caps: Capabilities, q_dtype: str, pooled_dtype: str, *, n_heads: int = 4, head_dim: int = 128
 ) -> str:
     """§6.3: "mpp" (single reduced plane) or "mlx" (per-head logits + reduced plane)."""
     same_half = q_dtype == pooled_dtype and q_dtype in ("bfloat16", "float16")
@@ -500,13 +455,9 @@ def prefill_score_producer(
 
 
 def selector_chunk_rows(
-    mode: str,
-    S: int,
-    cap_pool: int,
-    *,
-    producer: str = "none",
+    mode: str, S: int, cap_pool: int, *, producer: str = "none",
     prefill_workspace: int = DEFAULT_PREFILL_WORKSPACE,
-) -> int:
+) -> int:  # fmt: skip
     """§6.3: query rows per selector dispatch (0 = no dispatch). `cap_pool` is post-reservation."""
     if mode == "update_only":
         return 0
@@ -587,25 +538,11 @@ class CompiledKey:
 
 
 def make_compiled_key(
-    *,
-    source: str,
-    mode: str,
-    rows: int,
-    input_width: int,
-    input_dtype: str,
-    cap_raw: int,
-    cap_pool: int,
-    raw_dtype: str,
-    pooled_dtype: str,
-    caps: Capabilities,
-    q_dtype: str,
-    n_heads: int = 4,
-    kv_heads: int = 1,
-    head_dim: int = 128,
-    block_topk: int = 512,
-    compress_ratio: int = 4,
-    prefill_workspace: int = DEFAULT_PREFILL_WORKSPACE,
-) -> CompiledKey:
+    *, source: str, mode: str, rows: int, input_width: int, input_dtype: str, cap_raw: int,
+    cap_pool: int, raw_dtype: str, pooled_dtype: str, caps: Capabilities, q_dtype: str,
+    n_heads: int = 4, kv_heads: int = 1, head_dim: int = 128, block_topk: int = 512,
+    compress_ratio: int = 4, prefill_workspace: int = DEFAULT_PREFILL_WORKSPACE,
+) -> CompiledKey:  # fmt: skip
     """The key of a compiled call; capacities are those after the §2.2 reservation."""
     if source not in ("qk_rows", "hidden"):
         raise ValueError(
@@ -624,23 +561,11 @@ def make_compiled_key(
         mode, rows, cap_pool, producer=producer, prefill_workspace=prefill_workspace
     )
     return CompiledKey(
-        source=source,
-        mode=mode,
-        input_shape=(1, rows, input_width),
-        input_dtype=mlx_dtype_name(input_dtype),
-        raw_shape=(1, cap_raw, head_dim),
-        raw_dtype=mlx_dtype_name(raw_dtype),
-        pooled_shape=(1, cap_pool, head_dim),
-        pooled_dtype=mlx_dtype_name(pooled_dtype),
-        n_heads=n_heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        block_topk=block_topk,
-        compress_ratio=compress_ratio,
-        dense_output_tokens=dense,
-        prefill_score_producer=producer,
-        selector_chunk_rows=chunk,
-    )
+        source, mode, (1, rows, input_width), mlx_dtype_name(input_dtype),
+        (1, cap_raw, head_dim), mlx_dtype_name(raw_dtype),
+        (1, cap_pool, head_dim), mlx_dtype_name(pooled_dtype),
+        n_heads, kv_heads, head_dim, block_topk, compress_ratio, dense, producer, chunk,
+    )  # fmt: skip
 
 
 _RECEIPT_MODES = ("blocks", "prefill_blocks", "dense_mask", "row_tokens", "update_only")
@@ -660,7 +585,7 @@ class CoreReceipt:
         self.producers = {"mpp": 0, "mlx": 0}
         self.modes = dict.fromkeys(_RECEIPT_MODES, 0)
         self.buckets: dict[str, int] = {}
-        self.keys: dict[str, CompiledKey] = {}
+        self.keys: dict[CompiledKey, None] = {}  # insertion-ordered set
         self._last_caps: tuple[int, int] | None = None
 
     def record(self, key: CompiledKey, *, compiled: bool = True) -> bool:
@@ -681,10 +606,9 @@ class CoreReceipt:
             self.producers[key.prefill_score_producer] += 1
         self.modes[key.mode] += 1
         self.buckets[key.bucket_label] = self.buckets.get(key.bucket_label, 0) + 1
-        label = key.label
-        new = label not in self.keys
+        new = key not in self.keys
         if new:
-            self.keys[label] = key
+            self.keys[key] = None
             self.traces += 1
         return new
 
@@ -706,7 +630,7 @@ class CoreReceipt:
             "modes": dict(self.modes),
             "buckets": dict(self.buckets),
             "entry_count": self.entry_count,
-            "compiled_keys": [self.keys[k].to_dict() for k in sorted(self.keys)],
+            "compiled_keys": [k.to_dict() for k in sorted(self.keys, key=lambda k: k.label)],
             "require_bucketed_backing": True,
             "minimum_raw_capacity": MIN_CAPACITY,
             "minimum_pooled_capacity": MIN_CAPACITY,
