@@ -404,6 +404,11 @@ SEL_CASES = [
     ("oracle-33-rows", EAGER.replace(prefill=False, gather_max_rows=40), REF, 33, 2051,
      (RT, "oracle", (), False)),
     ("oracle-33-mask", EAGER.replace(prefill=False), REF, 33, 2051, (DM, "oracle", (), False)),
+    # S == prefill_min_rows already bars the legacy selector (visible through tiling).
+    ("legacy-31-tiled", EAGER.replace(prefill=False, gather_max_rows=40, tile_rows=2), REF, 31,
+     2051, (RT, "legacy", (), False)),
+    ("oracle-32-tiled", EAGER.replace(prefill=False, gather_max_rows=40, tile_rows=2), REF, 32,
+     2051, (DM, "oracle", (), False)),
 ]  # fmt: skip
 
 
@@ -444,7 +449,7 @@ CONSUMER_CASES = [
      (("prefill_gather", "rows_gather"), "", ("gather_tier",))),
     ("prefill-few-rows", PF_OPTS.replace(prefill_min_rows=64), REF, 33, 2054, "prefill_blocks", {},
      (("prefill_gather", "rows_gather"), "", ("gather_tier",))),
-    ("prefill-dense-nb", PF_OPTS, REF, 33, 2010, "prefill_blocks", {},
+    ("prefill-dense-nb", PF_OPTS.replace(flash_min=1024), REF, 33, 2010, "prefill_blocks", {},
      (("prefill_gather", "rows_gather"), "", ("gather_tier",))),
     ("prefill-no-capability", PF_OPTS, Capabilities(prefill_flash=False), 33, 2054,
      "prefill_blocks", {}, (("prefill_gather", "rows_gather"), "", ("gather_tier",))),
@@ -567,8 +572,11 @@ def test_selector_chunk_rows_workspace_and_errors() -> None:
     ("args", "want"),
     [((0, 1, 0, 256, 256), 0), ((1, 1, 0, 256, 256), 0), ((513, 1, 512, 4096, 1024), 512),
      ((514, 1, 513, 4096, 1024), 513), ((8704, 512, 8192, 65536, 16384), 8192),
-     ((9, 9, 1, 256, 256), 0), ((514, 1, 514, 4096, 1024), 513)],
-    ids=["p0s0", "T<4", "p2s0", "p2s1", "p6s0", "prefix-33", "rewrite-last"],
+     ((9, 9, 1, 256, 256), 0), ((514, 1, 514, 4096, 1024), 513),
+     ((20, 4, 10, 4096, 1024), 10), ((300, 200, 300, 1024, 300), 56),
+     ((300, 200, 300, 4096, 250), 50)],
+    ids=["p0s0", "T<4", "p2s0", "p2s1", "p6s0", "prefix-33", "rewrite-last", "gap-binds",
+         "raw-binds", "pool-binds"],
 )  # fmt: skip
 def test_staging_window_start(args: tuple, want: int) -> None:
     assert staging_window_start(*args) == want
