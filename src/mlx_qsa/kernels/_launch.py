@@ -1,0 +1,160 @@
+"""Shared helpers of the CUDA launchers: kernel sources, one kernel per key, naming, checks.
+
+A ``.cu`` file holds one or more kernel bodies (MLX generates each signature from the input and
+output names); sections start with a line ``//// kernel: <name>``. ``common.cuh`` goes in through
+``header=``. Kernels are built once per key (``functools.cache``) and named after the key and a
+digest of their source, so neither MLX's in-process module cache (keyed by name) nor a persistent
+``MLX_PTX_CACHE_DIR`` can hand back a kernel compiled from other source.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from pathlib import Path
+
+import mlx.core as mx
+
+_DIR = Path(__file__).resolve().parent
+_SECTION = re.compile(r"^//// kernel: *([A-Za-z0-9_]+) *$", re.M)
+
+
+@functools.cache
+def _text(filename: str) -> str:
+    return (_DIR / filename).read_text()
+
+
+@functools.cache
+def kernel_sections(filename: str) -> dict[str, str]:
+    """The kernel bodies of ``filename`` (a ``.cu`` beside this module), by section name."""
+    text = _text(filename)
+    marks = list(_SECTION.finditer(text))
+    if not marks:
+        raise RuntimeError(f"{filename}: no '//// kernel: <name>' section")
+    out = {}
+    for i, m in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
+        out[m.group(1)] = text[m.end() : end]
+    return out
+
+
+def common_header() -> str:
+    return _text("common.cuh")
+
+
+def _digest(*parts: str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:10]
+
+
+def kernel_name(base: str, key: tuple) -> str:
+    """A C identifier naming the kernel after its key (the template values are appended by MLX)."""
+    tag = "_".join(re.sub(r"[^A-Za-z0-9]", "", str(k)) for k in key)
+    return f"qsa_{base}_{tag}" if tag else f"qsa_{base}"
+
+
+@functools.cache
+def build(
+    filename: str,
+    section: str,
+    inputs: tuple[str, ...],
+    outputs: tuple[str, ...],
+    key: tuple,
+    shared_memory: int = 0,
+    ensure_row_contiguous: bool = False,
+    prefix: str = "",
+):
+    """One ``mx.fast.cuda_kernel`` per (source section, key, shared memory).
+
+    ``prefix`` (e.g. ``#define`` lines) goes in front of the body; template values are passed at
+    call time (MLX compiles, and names, one module per distinct set).
+    """
+    source = prefix + kernel_sections(filename)[section]
+    header = common_header()
+    name = kernel_name(f"{section}_{_digest(header, source)}", key + (shared_memory,))
+    return mx.fast.cuda_kernel(
+        name=name,
+        input_names=list(inputs),
+        output_names=list(outputs),
+        source=source,
+        header=header,
+        ensure_row_contiguous=ensure_row_contiguous,
+        shared_memory=shared_memory,
+    )
+
+
+def require_cuda(fn: str) -> None:
+    if not mx.cuda.is_available():
+        raise RuntimeError(f"{fn}: needs MLX with its CUDA backend on an NVIDIA GPU")
+
+
+def check_dtype(fn: str, arg: str, a: mx.array, dtypes: tuple) -> None:
+    if a.dtype not in dtypes:
+        names = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{fn}: {arg} must have dtype {names}, got {a.dtype}")
+
+
+def check_ndim(fn: str, arg: str, a: mx.array, ndim: int, what: str) -> None:
+    if a.ndim != ndim:
+        raise ValueError(f"{fn}: {arg} must be {what}, got shape {list(a.shape)}")
+
+
+def float_bits(x: float) -> int:
+    """The float32 bit pattern of ``x`` as a signed int32 (a template value)."""
+    import struct
+
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+
+
+ATTN_THREADS = 256  # threads of the split-K attention CTAs (common.cuh partial_attention)
+
+
+def attn_smem_bytes(d: int, g: int, tok: int, nt: int = ATTN_THREADS) -> int:
+    """Dynamic shared memory of ``qsa::partial_attention<d, g, tok, nt>`` (``qsa::Attn::BYTES``)."""
+    tg = nt // d
+    k_bytes = tok * (d + 8) * 2
+    v_bytes = tok * d * 2
+    q_bytes = g * d * 4
+    s_bytes = g * tok * 4
+    r_bytes = tg * g * d * 4 if tg > 1 else 0
+    return k_bytes + v_bytes + q_bytes + s_bytes + r_bytes
+
+
+def check_attention(fn: str, q, keys, values) -> tuple[int, int, int, int]:
+    """Validates q [1, H, S, d] and the K/V backings [1, Hkv, cap, d]; returns (H, S, Hkv, d)."""
+    check_ndim(fn, "q", q, 4, "[1, H, S, d]")
+    check_ndim(fn, "keys", keys, 4, "[1, Hkv, cap, d]")
+    if values.shape != keys.shape:
+        raise ValueError(
+            f"{fn}: values must have the shape of keys {list(keys.shape)}, got {list(values.shape)}"
+        )
+    _, n_heads, rows, d = q.shape
+    _, n_kv, _, dk = keys.shape
+    if q.shape[0] != 1 or keys.shape[0] != 1:
+        raise ValueError(f"{fn}: batch must be 1, got q {list(q.shape)}, keys {list(keys.shape)}")
+    if dk != d:
+        raise ValueError(f"{fn}: keys head_dim must equal q's ({d}), got {dk}")
+    if n_kv < 1 or n_heads % n_kv != 0:
+        raise ValueError(f"{fn}: H ({n_heads}) must be a multiple of Hkv ({n_kv})")
+    if q.dtype != keys.dtype or values.dtype != keys.dtype:
+        raise ValueError(
+            f"{fn}: q, keys, values must share a dtype, got {q.dtype}, {keys.dtype}, {values.dtype}"
+        )
+    return n_heads, rows, n_kv, d
+
+
+def check_cuda_attention(fn: str, q, n_heads: int, n_kv: int, d: int, scale: float) -> None:
+    if q.dtype != mx.bfloat16:
+        raise NotImplementedError(f"{fn}: only bfloat16 inputs, got {q.dtype}")
+    if d not in (64, 128, 256):
+        raise NotImplementedError(f"{fn}: head_dim must be 64, 128 or 256, got {d}")
+    if n_heads // n_kv > 32:
+        raise NotImplementedError(
+            f"{fn}: at most 32 query heads per KV head, got {n_heads // n_kv}"
+        )
+    if not scale > 0:
+        raise ValueError(f"{fn}: scale must be a positive float, got {scale}")

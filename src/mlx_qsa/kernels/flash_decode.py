@@ -1,0 +1,139 @@
+"""Flash sparse decode attention (RUNTIME.md §8 ``flash``): CUDA launcher and portable twin.
+
+One query row (S = 1) attends the tokens of its valid selected blocks (``ratio * b ..
+ratio * b + ratio - 1``) plus the tail ``[ratio * (T // ratio), T)``, reading K/V in place from
+the cache backings; query head h reads KV head ``h // (H / Hkv)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from . import _launch
+
+_TOK = 32  # tokens per split-K CTA
+
+
+def _check(fn: str, q, keys, values, block_ids, block_valid, T, ratio: int):
+    n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
+    if rows != 1:
+        raise ValueError(f"{fn}: q must be [1, H, 1, d] (one decode row), got {list(q.shape)}")
+    _launch.check_ndim(fn, "block_ids", block_ids, 1, "[K]")
+    _launch.check_dtype(fn, "block_ids", block_ids, (mx.int32,))
+    if block_valid.shape != block_ids.shape:
+        raise ValueError(
+            f"{fn}: block_valid must have shape {list(block_ids.shape)}, "
+            f"got {list(block_valid.shape)}"
+        )
+    _launch.check_dtype(fn, "block_valid", block_valid, (mx.bool_,))
+    if T.shape != (1,):
+        raise ValueError(f"{fn}: T must be an int32 array of shape [1], got {list(T.shape)}")
+    _launch.check_dtype(fn, "T", T, (mx.int32,))
+    if ratio < 1:
+        raise ValueError(f"{fn}: ratio must be >= 1, got {ratio}")
+    return n_heads, n_kv, d
+
+
+def flash_decode_portable(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    block_ids: mx.array,
+    block_valid: mx.array,
+    T: mx.array,
+    *,
+    scale: float,
+    ratio: int = 4,
+) -> mx.array:
+    """Portable MLX twin of :func:`flash_decode_cuda`: gathered K/V, float32 softmax.
+
+    q [1, H, 1, d], keys/values [1, Hkv, cap, d], block_ids int32 [K], block_valid bool [K],
+    T int32 [1] -> [1, H, 1, d] in q's dtype. No valid token -> 0.
+    """
+    n_heads, n_kv, d = _check(
+        "flash_decode_portable", q, keys, values, block_ids, block_valid, T, ratio
+    )
+    K = block_ids.shape[0]
+    r = mx.arange(ratio, dtype=mx.int32)
+    tok_blk = (block_ids[:, None] * ratio + r).reshape(-1)
+    ok_blk = mx.broadcast_to(block_valid[:, None], (K, ratio)).reshape(-1)
+    tail = (T // ratio) * ratio + r
+    tok = mx.concatenate([tok_blk, tail])
+    ok = mx.concatenate([ok_blk, tail < T])
+    tok = mx.where(ok, tok, 0)
+    kk = mx.take(keys, tok, axis=2).astype(mx.float32)  # [1, Hkv, N, d]
+    vv = mx.take(values, tok, axis=2).astype(mx.float32)
+    qg = q.reshape(1, n_kv, n_heads // n_kv, d).astype(mx.float32)
+    s = mx.matmul(qg, kk.transpose(0, 1, 3, 2)) * scale  # [1, Hkv, G, N]
+    s = mx.where(ok, s, -math.inf)
+    m = mx.max(s, axis=-1, keepdims=True)
+    m = mx.where(m == -math.inf, 0.0, m)
+    e = mx.where(ok, mx.exp(s - m), 0.0)
+    denom = mx.sum(e, axis=-1, keepdims=True)
+    o = mx.matmul(e, vv) / mx.where(denom > 0, denom, 1.0)
+    return o.reshape(1, n_heads, 1, d).astype(q.dtype)
+
+
+def flash_decode_cuda(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    block_ids: mx.array,
+    block_valid: mx.array,
+    T: mx.array,
+    *,
+    scale: float,
+    ratio: int = 4,
+) -> mx.array:
+    """Split-K flash decode on CUDA (two kernels); see :func:`flash_decode_portable`.
+
+    The list [selected blocks..., tail] is cut into ``32 / ratio`` entries per CTA, one CTA per
+    (KV head, split) for all its query heads, float32 online softmax; a second kernel merges
+    the splits by log-sum-exp in a fixed order (deterministic).
+    """
+    fn = "flash_decode_cuda"
+    n_heads, n_kv, d = _check(fn, q, keys, values, block_ids, block_valid, T, ratio)
+    _launch.require_cuda(fn)
+    _launch.check_cuda_attention(fn, q, n_heads, n_kv, d, scale)
+    if _TOK % ratio != 0:
+        raise NotImplementedError(f"{fn}: ratio must divide {_TOK}, got {ratio}")
+    K = block_ids.shape[0]
+    g = n_heads // n_kv
+    nsplit = -(-(K + 1) // (_TOK // ratio))
+    nt = _launch.ATTN_THREADS
+    partial = _launch.build(
+        "flash_decode.cu",
+        "partial",
+        ("q", "keys", "values", "block_ids", "block_valid", "tlen"),
+        ("part_o", "part_ml"),
+        (),
+        shared_memory=_launch.attn_smem_bytes(d, g, _TOK, nt),
+    )
+    part_o, part_ml = partial(
+        inputs=[q, keys, values, block_ids, block_valid, T],
+        template=[
+            ("D", d),
+            ("G", g),
+            ("TOK", _TOK),
+            ("RATIO", ratio),
+            ("K", K),
+            ("NSPLIT", nsplit),
+            ("SCALE_BITS", _launch.float_bits(scale)),
+            ("NT", nt),
+        ],
+        grid=(n_kv * nsplit * nt, 1, 1),
+        threadgroup=(nt, 1, 1),
+        output_shapes=[(n_heads, nsplit, d), (n_heads, nsplit, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    merge = _launch.build("flash_decode.cu", "merge", ("part_o", "part_ml"), ("out",), ())
+    return merge(
+        inputs=[part_o, part_ml],
+        template=[("D", d), ("NSPLIT", nsplit)],
+        grid=(n_heads * d, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(1, n_heads, 1, d)],
+        output_dtypes=[q.dtype],
+    )[0]

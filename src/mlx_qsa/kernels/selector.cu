@@ -1,0 +1,268 @@
+//// kernel: score
+// Decode/short-row selector, pass 1: block scores and per-warp summaries (QSA.md §8.2).
+// index_q [S, HI, 128] bf16, pooled [1, cap, 128] bf16, pos [S] int32
+// -> adj [S, NPAD] float32 (only b < nb(row) written), summ [S, NPAD / 32, L] uint32: the L largest
+//    order keys of each 32-block chunk, descending (0 = no block).
+// One thread per block key, looping over the rows; grid NPAD threads of 128.
+// Template: HI, S, RATIO, NPAD, L.
+constexpr int DI = 128;
+__shared__ __align__(16) float qs[S * HI * DI];
+__shared__ int nbs[S];
+const int tid = threadIdx.x;
+const int cap = pooled_shape[1];
+for (int i = tid; i < S * HI * DI; i += blockDim.x) qs[i] = qsa::bf_to_f(index_q[i]);
+if (tid < S) {
+  const int p = pos[tid];
+  const int nb = p >= 0 ? (p + 1) / RATIO : 0;
+  nbs[tid] = nb < cap ? nb : cap;
+}
+__syncthreads();
+int maxnb = 0;
+for (int r = 0; r < S; ++r) maxnb = max(maxnb, nbs[r]);
+const int b = blockIdx.x * blockDim.x + tid;
+if ((b & ~31) >= maxnb) return;  // whole warp past every row's blocks
+
+uint4 kv[16];
+if (b < maxnb) {
+  const uint4* kp = reinterpret_cast<const uint4*>(pooled + (long long)b * DI);
+#pragma unroll
+  for (int c = 0; c < 16; ++c) kv[c] = kp[c];
+} else {
+#pragma unroll
+  for (int c = 0; c < 16; ++c) kv[c] = make_uint4(0u, 0u, 0u, 0u);
+}
+const int lane = tid & 31, chunk = b >> 5;
+for (int r = 0; r < S; ++r) {
+  const bool ok = b < nbs[r];
+  unsigned key = 0u;
+  if (ok) {
+    float acc[HI];
+#pragma unroll
+    for (int h = 0; h < HI; ++h) acc[h] = 0.f;
+    // dot products in float32, d = 0..127 in order, from bf16 operands
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+      float kf[8];
+      qsa::unpack8(kv[c], kf);
+#pragma unroll
+      for (int h = 0; h < HI; ++h) {
+        const float* qh = qs + (r * HI + h) * DI + c * 8;
+        const float4 qa = *reinterpret_cast<const float4*>(qh);
+        const float4 qb = *reinterpret_cast<const float4*>(qh + 4);
+        float a = acc[h];
+        a = fmaf(qa.x, kf[0], a); a = fmaf(qa.y, kf[1], a);
+        a = fmaf(qa.z, kf[2], a); a = fmaf(qa.w, kf[3], a);
+        a = fmaf(qb.x, kf[4], a); a = fmaf(qb.y, kf[5], a);
+        a = fmaf(qb.z, kf[6], a); a = fmaf(qb.w, kf[7], a);
+        acc[h] = a;
+      }
+    }
+    // ReLU per head, head sum in order h = 0..HI-1, float32 division, then the id adjustment
+    float tot = acc[0] > 0.f ? acc[0] : 0.f;
+#pragma unroll
+    for (int h = 1; h < HI; ++h) tot = __fadd_rn(tot, acc[h] > 0.f ? acc[h] : 0.f);
+    const float score = __fdiv_rn(tot, 11.313708305358887f);
+    const float a = __fsub_rn(score, __fmul_rn((float)b, 1e-12f));
+    adj[(long long)r * NPAD + b] = a;
+    key = qsa::ord_key(a);
+  }
+  unsigned* srow = summ + ((long long)r * (NPAD / 32) + chunk) * L;
+#pragma unroll
+  for (int j = 0; j < L; ++j) {
+    const unsigned m = __reduce_max_sync(qsa::FULL_MASK, key);
+    if (lane == 0) srow[j] = m;
+    const unsigned bal = __ballot_sync(qsa::FULL_MASK, key == m && m != 0u);
+    if (bal != 0u && lane == __ffs(bal) - 1) key = 0u;
+  }
+}
+
+//// kernel: topk
+// Decode/short-row selector, pass 2: exact top-K in the order (adj desc, id asc), one CTA per row.
+// adj, summ from pass 1, pos [S] int32
+// -> ids [S, K] int32, valid [S, K] bool, scores [S, K] float32: selected ids ascending first,
+//    then empty slots (0, false, -inf); with QSA_ROW_TOKENS also slots / slot_valid
+//    [S, K * RATIO + RATIO] (RUNTIME.md §7 row tokens).
+// Method: u = the K-th largest summary key is a lower bound of the K-th largest adj (the summaries
+// are real blocks), so {adj >= u} holds the whole selection; those candidates go to shared memory
+// and an exact radix select (value, then ~id for ties) runs there. Past CAP candidates the same
+// select streams every block from global memory instead (slow, exact).
+// Template: K, RATIO, NPAD, NPOOL, L, CAP, NT.
+constexpr int NW = NT / 32;
+extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
+unsigned* cand_key = reinterpret_cast<unsigned*>(qsa_dyn_smem);
+int* cand_id = reinterpret_cast<int*>(cand_key + CAP);
+unsigned* bitmap = reinterpret_cast<unsigned*>(cand_id + CAP);
+__shared__ unsigned hist[256];
+__shared__ unsigned ctl[4];
+__shared__ int scan_buf[NW + 1];
+__shared__ int cand_n;
+
+const int tid = threadIdx.x, lane = tid & 31;
+const int row = blockIdx.x;
+const int p = pos[row];
+const int nb_raw = p >= 0 ? (p + 1) / RATIO : 0;
+const int nb = nb_raw < NPOOL ? nb_raw : NPOOL;
+const float* adj_row = adj + (long long)row * NPAD;
+const unsigned* summ_row = summ + (long long)row * (NPAD / 32) * L;
+int* ids_row = ids + (long long)row * K;
+auto* valid_row = valid + (long long)row * K;
+float* sc_row = scores + (long long)row * K;
+#ifdef QSA_ROW_TOKENS
+constexpr int WS = K * RATIO + RATIO;
+int* sl_row = slots + (long long)row * WS;
+auto* sv_row = slot_valid + (long long)row * WS;
+if (tid < RATIO) {
+  const int t = nb_raw * RATIO + tid;
+  const bool ok = t <= p;
+  sl_row[K * RATIO + tid] = ok ? t : 0;
+  sv_row[K * RATIO + tid] = ok;
+}
+#endif
+auto emit = [&](int i, int blk) {
+  ids_row[i] = blk;
+  valid_row[i] = true;
+  sc_row[i] = adj_row[blk];
+#ifdef QSA_ROW_TOKENS
+#pragma unroll
+  for (int r = 0; r < RATIO; ++r) {
+    sl_row[i * RATIO + r] = blk * RATIO + r;
+    sv_row[i * RATIO + r] = true;
+  }
+#endif
+};
+auto emit_empty = [&](int i) {
+  ids_row[i] = 0;
+  valid_row[i] = false;
+  sc_row[i] = qsa::neg_inf();
+#ifdef QSA_ROW_TOKENS
+#pragma unroll
+  for (int r = 0; r < RATIO; ++r) {
+    sl_row[i * RATIO + r] = 0;
+    sv_row[i * RATIO + r] = false;
+  }
+#endif
+};
+
+if (nb <= K) {  // dense: every visible block, in order
+  for (int i = tid; i < K; i += NT) {
+    if (i < nb) emit(i, i);
+    else emit_empty(i);
+  }
+  return;
+}
+
+const int nwords = (nb + 31) >> 5;
+for (int i = tid; i < nwords; i += NT) bitmap[i] = 0u;
+if (tid == 0) cand_n = 0;
+
+// 1. Lower bound u from the first Lu summaries of each chunk (about 2K of them).
+int Lu = L;
+while (Lu > 1 && nwords * (Lu / 2) >= 2 * K) Lu >>= 1;
+unsigned u = 0u;
+if (nwords * Lu >= K) {
+  auto get_s = [&](int i, unsigned& key) {
+    key = summ_row[(i / Lu) * L + (i % Lu)];
+    return true;
+  };
+  u = qsa::block_select_desc<NT>(nwords * Lu, K, get_s, hist, ctl).t;
+}
+__syncthreads();
+
+// 2. Candidates: every block with adj >= u (all blocks when u == 0).
+const bool take_all = (u == 0u);
+const float uf = qsa::key_float(u);
+for (int base = 0; base < nb; base += NT * 4) {
+  const int b0 = base + tid * 4;
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (b0 < nb) v = *reinterpret_cast<const float4*>(adj_row + b0);
+  const float vals[4] = {v.x, v.y, v.z, v.w};
+  bool tk[4];
+  bool any = false;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    tk[e] = (b0 + e < nb) && (take_all || vals[e] >= uf);
+    any = any || tk[e];
+  }
+  if (__any_sync(qsa::FULL_MASK, any)) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const unsigned bal = __ballot_sync(qsa::FULL_MASK, tk[e]);
+      if (bal != 0u) {
+        int basepos = 0;
+        if (lane == 0) basepos = atomicAdd(&cand_n, __popc(bal));
+        basepos = __shfl_sync(qsa::FULL_MASK, basepos, 0);
+        if (tk[e]) {
+          const int slot = basepos + __popc(bal & ((1u << lane) - 1u));
+          if (slot < CAP) {
+            cand_key[slot] = qsa::ord_key(vals[e]);
+            cand_id[slot] = b0 + e;
+          }
+        }
+      }
+    }
+  }
+}
+__syncthreads();
+const int ncand = cand_n;
+const bool in_smem = ncand <= CAP;
+
+// 3. Exact K-th largest key t, then the lowest ids among keys equal to t.
+auto get_c = [&](int i, unsigned& key) {
+  key = cand_key[i];
+  return true;
+};
+auto get_g = [&](int i, unsigned& key) {
+  key = qsa::ord_key(adj_row[i]);
+  return key >= u;
+};
+qsa::SelectResult r1;
+if (in_smem) r1 = qsa::block_select_desc<NT>(ncand, K, get_c, hist, ctl);
+else r1 = qsa::block_select_desc<NT>(nb, K, get_g, hist, ctl);
+const unsigned t = r1.t;
+unsigned idmax = 0xffffffffu;
+if (r1.k_rem != r1.n_eq) {
+  auto tie_c = [&](int i, unsigned& key) {
+    key = ~(unsigned)cand_id[i];
+    return cand_key[i] == t;
+  };
+  auto tie_g = [&](int i, unsigned& key) {
+    key = ~(unsigned)i;
+    return qsa::ord_key(adj_row[i]) == t;
+  };
+  unsigned t2;
+  if (in_smem) t2 = qsa::block_select_desc<NT>(ncand, r1.k_rem, tie_c, hist, ctl).t;
+  else t2 = qsa::block_select_desc<NT>(nb, r1.k_rem, tie_g, hist, ctl).t;
+  idmax = ~t2;
+}
+
+// 4. Mark the selection in a bitmap, then write it out in ascending id order.
+if (in_smem) {
+  for (int i = tid; i < ncand; i += NT) {
+    const unsigned key = cand_key[i];
+    const int id = cand_id[i];
+    if (key > t || (key == t && (unsigned)id <= idmax)) atomicOr(&bitmap[id >> 5], 1u << (id & 31));
+  }
+} else {
+  for (int i = tid; i < nb; i += NT) {
+    const unsigned key = qsa::ord_key(adj_row[i]);
+    if (key > t || (key == t && (unsigned)i <= idmax)) atomicOr(&bitmap[i >> 5], 1u << (i & 31));
+  }
+}
+__syncthreads();
+const int wpt = (nwords + NT - 1) / NT;
+const int w0 = tid * wpt;
+const int w1 = min(w0 + wpt, nwords);
+int cnt = 0;
+for (int w = w0; w < w1; ++w) cnt += __popc(bitmap[w]);
+int total = 0;
+int off = qsa::block_excl_scan<NT>(cnt, scan_buf, &total);
+for (int w = w0; w < w1; ++w) {
+  unsigned bits = bitmap[w];
+  while (bits != 0u) {
+    const int bit = __ffs(bits) - 1;
+    bits &= bits - 1u;
+    if (off < K) emit(off, w * 32 + bit);
+    ++off;
+  }
+}
+for (int i = total + tid; i < K; i += NT) emit_empty(i);  // never taken when the select is exact

@@ -1,0 +1,199 @@
+"""Decode / short-row block selector (QSA.md §8, RUNTIME.md §7): CUDA launcher and portable twin.
+
+Both return, per query row, the exact top-``k_eff`` blocks (``k_eff = min(block_topk, nb)``,
+``nb = (p + 1) // ratio``) in the order (adjusted score descending, block id ascending), written
+as ids ascending among the valid slots, then empty slots (id 0, invalid, score -inf).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from . import _launch
+
+_MODES = ("blocks", "row_tokens")
+_L = 8  # summaries kept per 32-block chunk by the score pass
+_CAP = 4096  # candidates the top-k pass keeps in shared memory
+_NT_TOPK = 512
+
+
+def _check(fn: str, index_q, pooled, pos, block_topk: int, ratio: int, mode: str) -> None:
+    _launch.check_ndim(fn, "index_q", index_q, 3, "[S, H_I, d_I]")
+    _launch.check_ndim(fn, "pooled", pooled, 3, "[1, cap_pool, d_I]")
+    S, _, d_i = index_q.shape
+    if pooled.shape[0] != 1 or pooled.shape[2] != d_i:
+        raise ValueError(
+            f"{fn}: pooled must be [1, cap_pool, {d_i}], got shape {list(pooled.shape)}"
+        )
+    if pos.shape != (S,):
+        raise ValueError(f"{fn}: pos must have shape [{S}], got {list(pos.shape)}")
+    _launch.check_dtype(fn, "pos", pos, (mx.int32,))
+    if index_q.dtype != pooled.dtype:
+        raise ValueError(
+            f"{fn}: index_q and pooled must share a dtype, got {index_q.dtype} and {pooled.dtype}"
+        )
+    if block_topk < 1:
+        raise ValueError(f"{fn}: block_topk must be >= 1, got {block_topk}")
+    if ratio < 1:
+        raise ValueError(f"{fn}: ratio must be >= 1, got {ratio}")
+    if mode not in _MODES:
+        raise ValueError(f"{fn}: mode must be one of {_MODES}, got {mode!r}")
+
+
+def _row_tokens(ids, valid, nb_raw, pos, block_topk: int, ratio: int):
+    S = ids.shape[0]
+    r = mx.arange(ratio, dtype=mx.int32)
+    blk = (ids[:, :, None] * ratio + r).reshape(S, block_topk * ratio)
+    blk_ok = mx.broadcast_to(valid[:, :, None], (S, block_topk, ratio)).reshape(S, -1)
+    tail = nb_raw[:, None] * ratio + r
+    tail_ok = tail <= pos[:, None]
+    slots = mx.concatenate([mx.where(blk_ok, blk, 0), mx.where(tail_ok, tail, 0)], axis=1)
+    return slots, mx.concatenate([blk_ok, tail_ok], axis=1)
+
+
+def select_blocks_portable(
+    index_q: mx.array,
+    pooled: mx.array,
+    pos: mx.array,
+    *,
+    block_topk: int = 512,
+    ratio: int = 4,
+    mode: str = "blocks",
+):
+    """Portable MLX twin of :func:`select_blocks_cuda` (same signature, same selections).
+
+    index_q [S, H_I, d_I], pooled [1, cap_pool, d_I], pos int32 [S] ->
+    (ids int32 [S, K], valid bool [S, K], scores float32 [S, K]) and, for ``mode="row_tokens"``,
+    (slots int32 [S, K*ratio + ratio], slot_valid bool [S, K*ratio + ratio]).
+    """
+    fn = "select_blocks_portable"
+    _check(fn, index_q, pooled, pos, block_topk, ratio, mode)
+    S, n_heads, d_i = index_q.shape
+    cap = pooled.shape[1]
+    K = block_topk
+    # Dot products accumulated in float32 over d = 0, 1, ... in order, as the CUDA kernel does
+    # (bf16 x bf16 products are exact in float32, so FMA and multiply-then-add agree): the
+    # scores, not just the selections, are bit-identical across the two paths.
+    qd = mx.split(index_q.astype(mx.float32), d_i, axis=2)  # d_I x [S, H_I, 1]
+    kd = mx.split(pooled[0].astype(mx.float32).T, d_i, axis=0)  # d_I x [1, cap]
+    dots = qd[0] * kd[0]
+    for d in range(1, d_i):
+        dots = dots + qd[d] * kd[d]  # [S, H_I, cap]
+    relu = mx.where(dots > 0, dots, 0.0)
+    tot = relu[:, 0]
+    for h in range(1, n_heads):  # head sum in order h = 0, 1, ...
+        tot = tot + relu[:, h]
+    score = tot / mx.array(math.sqrt(d_i), dtype=mx.float32)
+    bid = mx.arange(cap, dtype=mx.int32)
+    adj = score - bid.astype(mx.float32) * mx.array(1e-12, dtype=mx.float32)
+
+    nb_raw = mx.where(pos >= 0, (pos + 1) // ratio, 0)
+    nb = mx.minimum(nb_raw, cap)
+    visible = bid[None, :] < nb[:, None]
+    # Composite ascending key (~order(adj), id): all keys distinct, so any sort is exact.
+    bits = mx.view(adj, mx.uint32)
+    okey = mx.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+    hi = mx.where(visible, ~okey, mx.array(0xFFFFFFFF, dtype=mx.uint32))
+    comp = (hi.astype(mx.uint64) << 32) | bid.astype(mx.uint64)[None, :]
+    order = mx.argsort(comp, axis=-1).astype(mx.int32)
+
+    kw = min(K, cap)
+    top = order[:, :kw]
+    if kw < K:
+        top = mx.concatenate([top, mx.zeros((S, K - kw), dtype=mx.int32)], axis=1)
+    keff = mx.minimum(nb, K)
+    valid = mx.arange(K, dtype=mx.int32)[None, :] < keff[:, None]
+    big = mx.array(2**31 - 1, dtype=mx.int32)
+    ids = mx.sort(mx.where(valid, top, big), axis=-1)
+    ids = mx.where(valid, ids, 0)
+    picked = mx.take_along_axis(adj, ids, axis=1)
+    scores = mx.where(valid, picked, mx.array(-math.inf, dtype=mx.float32))
+    if mode == "blocks":
+        return ids, valid, scores
+    return (ids, valid, scores) + _row_tokens(ids, valid, nb_raw, pos, K, ratio)
+
+
+def select_blocks_cuda(
+    index_q: mx.array,
+    pooled: mx.array,
+    pos: mx.array,
+    *,
+    block_topk: int = 512,
+    ratio: int = 4,
+    mode: str = "blocks",
+):
+    """Fused block scoring + exact top-k on CUDA (two kernels); see :func:`select_blocks_portable`.
+
+    Pass 1 scores every block key once for all rows (one thread per block, many CTAs) and keeps
+    per-chunk summaries; pass 2 (one CTA per row) bounds the K-th score from the summaries,
+    gathers the few candidates above it into shared memory and radix-selects them exactly.
+    """
+    fn = "select_blocks_cuda"
+    _check(fn, index_q, pooled, pos, block_topk, ratio, mode)
+    _launch.require_cuda(fn)
+    S, n_heads, d_i = index_q.shape
+    if index_q.dtype != mx.bfloat16:
+        raise NotImplementedError(f"{fn}: only bfloat16 inputs, got {index_q.dtype}")
+    if d_i != 128:
+        raise NotImplementedError(f"{fn}: only d_I = 128, got {d_i}")
+    if n_heads > 8 or S * n_heads > 64:
+        raise NotImplementedError(
+            f"{fn}: needs H_I <= 8 and S * H_I <= 64, got H_I={n_heads}, S={S}"
+        )
+    cap = pooled.shape[1]
+    K = block_topk
+    npad = -(-cap // 128) * 128
+    score = _launch.build(
+        "selector.cu",
+        "score",
+        ("index_q", "pooled", "pos"),
+        ("adj", "summ"),
+        (),
+        ensure_row_contiguous=True,
+    )
+    adj, summ = score(
+        inputs=[index_q, pooled, pos],
+        template=[("HI", n_heads), ("S", S), ("RATIO", ratio), ("NPAD", npad), ("L", _L)],
+        grid=(npad, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(S, npad), (S, npad // 32 * _L)],
+        output_dtypes=[mx.float32, mx.uint32],
+    )
+    rows = mode == "row_tokens"
+    outputs = ("ids", "valid", "scores") + (("slots", "slot_valid") if rows else ())
+    smem = _CAP * 8 + (npad // 32) * 4
+    topk = _launch.build(
+        "selector.cu",
+        "topk",
+        ("adj", "summ", "pos"),
+        outputs,
+        (mode,),
+        shared_memory=smem,
+        ensure_row_contiguous=True,
+        prefix="#define QSA_ROW_TOKENS\n" if rows else "",
+    )
+    shapes = [(S, K), (S, K), (S, K)]
+    dtypes = [mx.int32, mx.bool_, mx.float32]
+    if rows:
+        shapes += [(S, K * ratio + ratio)] * 2
+        dtypes += [mx.int32, mx.bool_]
+    return tuple(
+        topk(
+            inputs=[adj, summ, pos],
+            template=[
+                ("K", K),
+                ("RATIO", ratio),
+                ("NPAD", npad),
+                ("NPOOL", cap),
+                ("L", _L),
+                ("CAP", _CAP),
+                ("NT", _NT_TOPK),
+            ],
+            grid=(S * _NT_TOPK, 1, 1),
+            threadgroup=(_NT_TOPK, 1, 1),
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+        )
+    )
