@@ -1,0 +1,60 @@
+"""The six attention consumers (RUNTIME.md §8) and the dispatch of a consumer plan.
+
+Each consumer is one algorithm; `dispatch` runs what the plan chose, with the portable
+implementation here (CUDA kernels take over on NVIDIA GPUs where they exist).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import plan
+from ..indexer import Selection, row_token_slots
+from .flash import flash
+from .prefill import dense_mask_attention, prefill_flash, prefill_gather
+from .rows_gather import rows_gather
+from .sdpa import sdpa
+
+__all__ = [
+    "dispatch",
+    "flash",
+    "prefill_flash",
+    "prefill_gather",
+    "rows_gather",
+    "sdpa",
+    "dense_mask_attention",
+]
+
+
+def dispatch(
+    cplan: plan.ConsumerPlan,
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    sel: Selection,
+    positions: mx.array,
+    T: int,
+    ratio: int,
+    scale: float,
+) -> mx.array:
+    """Attention output `[1, H, S, d]` of the consumer chain `cplan.consumers`."""
+    first = cplan.consumers[0]
+    if first == "sdpa":
+        mask = cplan.sdpa_mask
+        if mask == "token_list":
+            return sdpa(q, keys, values, T, scale, tokens=sel.slots)
+        if mask == "dense_mask":
+            return sdpa(q, keys, values, T, scale, mask=sel.mask)
+        return sdpa(q, keys, values, T, scale, mask="causal" if mask == "causal" else None)
+    if first == "flash":
+        slots, slot_valid = row_token_slots(sel.ids, sel.valid, positions, ratio)
+        return flash(q, keys, values, slots, slot_valid, scale)
+    if first == "rows_gather":
+        return rows_gather(q, keys, values, sel.slots, sel.slot_valid, scale)
+    if first == "prefill_flash":
+        return prefill_flash(q, keys, values, sel.ids, sel.valid, positions, ratio, scale)
+    if first == "prefill_gather":
+        return prefill_gather(q, keys, values, sel.ids, sel.valid, positions, ratio, scale)
+    if first == "dense_mask":
+        return dense_mask_attention(q, keys, values, sel.ids, sel.valid, positions, T, ratio, scale)
+    raise ValueError(f"dispatch: unknown consumer {first!r}")

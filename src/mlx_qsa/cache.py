@@ -1,0 +1,243 @@
+"""QSACache: the five per-layer states of RUNTIME.md §2, in mlx-lm's cache protocol.
+
+States (order fixed): 0 `raw_keys` [1, cap_raw, d_I], 1 `pooled` [1, cap_pool, d_I],
+2 `pooled_f32_t` [1, 1, d_I, cap_pool] float32 mirror, 3 `keys` [1, H_kv, cap_kv, d],
+4 `values` [1, H_kv, cap_kv, d]. Backings are positional (row = absolute token / block) and
+grow by the rules of `plan` (KV step 256, eager doubling, compiled power-of-two buckets).
+
+The layer never mutates a cache mid-call: it builds new backings with functional slice
+updates and commits them all at the end (`CacheUpdate`), so an error raised anywhere in a
+call leaves the cache exactly as it was. Because MLX is lazy, the old backing has no other
+reference by evaluation time and MLX reuses its buffer (no copy per decode step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from . import plan
+
+STATE_NAMES = ("raw_keys", "pooled", "pooled_f32_t", "keys", "values")
+# Presence pattern of a saved state is fixed by how many arrays it has (RUNTIME §2.1:
+# pooled needs raw, the mirror needs pooled, K/V exist from the first call on).
+_PATTERNS = {
+    0: (False, False, False, False, False),
+    2: (False, False, False, True, True),
+    3: (True, False, False, True, True),
+    4: (True, True, False, True, True),
+    5: (True, True, True, True, True),
+}
+
+
+def grow_rows(
+    backing: mx.array | None, axis: int, keep: int, new_cap: int, like: tuple
+) -> mx.array:
+    """A zero-filled backing of `new_cap` rows along `axis` holding the first `keep` old rows.
+
+    `like` = (shape with any row count, dtype) used when there is no old backing.
+    """
+    shape, dtype = like
+    shape = list(shape)
+    shape[axis] = new_cap
+    out = mx.zeros(shape, dtype=dtype)
+    if backing is not None and keep > 0:
+        old = (
+            mx.take(backing, mx.arange(keep), axis=axis) if keep < backing.shape[axis] else backing
+        )
+        out = mx.slice_update(out, old, mx.array([0]), axes=(axis,))
+    return out
+
+
+def write_rows(backing: mx.array, rows: mx.array, start: int, axis: int) -> mx.array:
+    return mx.slice_update(backing, rows.astype(backing.dtype), mx.array([start]), axes=(axis,))
+
+
+@dataclass
+class CacheUpdate:
+    """New values of a cache's fields, staged during a call and committed at its end."""
+
+    raw_keys: mx.array | None
+    pooled: mx.array | None
+    pooled_f32_t: mx.array | None
+    keys: mx.array | None
+    values: mx.array | None
+    offset: int
+    pooled_len: int
+
+
+class QSACache:
+    """Per-layer, per-sequence QSA state (batch 1).
+
+    `offset` is the number of tokens written; `pooled_len` the number of logical block keys.
+    """
+
+    def __init__(self, index_head_dim: int = 128, has_indexer: bool = True) -> None:
+        self.index_head_dim = index_head_dim
+        self.has_indexer = has_indexer
+        self.raw_keys: mx.array | None = None
+        self.pooled: mx.array | None = None
+        self.pooled_f32_t: mx.array | None = None
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        self.pooled_len = 0
+        # Set by QSAAttention.make_cache: the layer geometry this cache was made for.
+        self.signature: tuple | None = None
+
+    # -- mlx-lm protocol ----------------------------------------------------------------
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """The present arrays, in state order (absent ones are left out)."""
+        return tuple(a for a in self.states() if a is not None)
+
+    @state.setter
+    def state(self, arrays: tuple[mx.array, ...]) -> None:
+        arrays = tuple(arrays)
+        if len(arrays) == 5 and any(a is None for a in arrays):
+            full = arrays
+        else:
+            if len(arrays) not in _PATTERNS:
+                raise ValueError(
+                    f"state: expected 0, 2, 3, 4 or 5 arrays (present states in order), "
+                    f"got {len(arrays)}"
+                )
+            it = iter(arrays)
+            full = tuple(next(it) if p else None for p in _PATTERNS[len(arrays)])
+        _check_states(full, self.index_head_dim)
+        (self.raw_keys, self.pooled, self.pooled_f32_t, self.keys, self.values) = full
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        bits = "".join("1" if p else "0" for p in self.state_present)
+        return (
+            str(self.offset),
+            str(self.pooled_len),
+            bits,
+            str(self.index_head_dim),
+            "1" if self.has_indexer else "0",
+        )
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        if len(v) != 5:
+            raise ValueError(f"meta_state: expected 5 strings, got {len(v)}")
+        offset, pooled_len, bits = int(v[0]), int(v[1]), v[2]
+        present = tuple(c == "1" for c in bits)
+        if present != self.state_present:
+            raise ValueError(
+                f"meta_state: presence bits {bits} do not match the state arrays "
+                f"{''.join('1' if p else '0' for p in self.state_present)}"
+            )
+        self.index_head_dim, self.has_indexer = int(v[3]), v[4] == "1"
+        cap_kv = self.keys.shape[2] if self.keys is not None else 0
+        if not 0 <= offset <= cap_kv:
+            raise ValueError(f"meta_state: offset must be in [0, cap_kv={cap_kv}], got {offset}")
+        if not 0 <= pooled_len <= offset // 4 + 1 or (self.pooled is None and pooled_len):
+            raise ValueError(f"meta_state: pooled_len {pooled_len} inconsistent with offset")
+        self.offset, self.pooled_len = offset, pooled_len
+
+    @classmethod
+    def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...]) -> QSACache:
+        obj = cls(index_head_dim=int(meta_state[3]), has_indexer=meta_state[4] == "1")
+        obj.state = state
+        obj.meta_state = meta_state
+        return obj
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Roll back the last `n` tokens (speculative rejection). Returns `n`."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.offset:
+            raise ValueError(f"trim(n): n must be in [0, offset={self.offset}], got {n!r}")
+        self.offset -= n
+        self.pooled_len = min(self.pooled_len, self.offset // 4)
+        return n
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
+
+    # -- introspection --------------------------------------------------------------------
+    def states(self) -> tuple[mx.array | None, ...]:
+        return (self.raw_keys, self.pooled, self.pooled_f32_t, self.keys, self.values)
+
+    @property
+    def state_present(self) -> tuple[bool, ...]:
+        return tuple(a is not None for a in self.states())
+
+    def capacity(self, name: str) -> int:
+        """Physical row capacity of a state (0 when absent)."""
+        a = getattr(self, name)
+        if a is None:
+            return 0
+        return a.shape[
+            {"raw_keys": 1, "pooled": 1, "pooled_f32_t": 3, "keys": 2, "values": 2}[name]
+        ]
+
+    def staged(self) -> CacheUpdate:
+        """A CacheUpdate holding the current fields (the starting point of a call)."""
+        return CacheUpdate(*self.states(), offset=self.offset, pooled_len=self.pooled_len)
+
+    def commit(self, u: CacheUpdate) -> None:
+        (self.raw_keys, self.pooled, self.pooled_f32_t, self.keys, self.values) = (
+            u.raw_keys,
+            u.pooled,
+            u.pooled_f32_t,
+            u.keys,
+            u.values,
+        )
+        self.offset, self.pooled_len = u.offset, u.pooled_len
+
+    def __repr__(self) -> str:
+        caps = "/".join(str(self.capacity(n)) for n in STATE_NAMES)
+        return f"QSACache(offset={self.offset}, pooled_len={self.pooled_len}, caps={caps})"
+
+
+def _check_states(full: tuple, d_i: int) -> None:
+    raw, pooled, mirror, keys, values = full
+    if (keys is None) != (values is None):
+        raise ValueError("state: keys and values must be both present or both absent")
+    if keys is not None and (keys.ndim != 4 or keys.shape != values.shape):
+        raise ValueError(
+            f"state: keys/values must be [1, H_kv, cap, d] of equal shape, got "
+            f"{list(keys.shape)} and {list(values.shape)}"
+        )
+    for name, a in (("raw_keys", raw), ("pooled", pooled)):
+        if a is not None and (a.ndim != 3 or a.shape[0] != 1 or a.shape[2] != d_i):
+            raise ValueError(f"state: {name} must be [1, cap, {d_i}], got {list(a.shape)}")
+    if mirror is not None:
+        if pooled is None or tuple(mirror.shape) != (1, 1, d_i, pooled.shape[1]):
+            raise ValueError(
+                f"state: pooled_f32_t must be [1, 1, {d_i}, cap_pool], got {list(mirror.shape)}"
+            )
+
+
+# -- growth applied to staged backings (rules in plan.py) --------------------------------------
+
+
+def kv_append(u: CacheUpdate, k: mx.array, v: mx.array) -> None:
+    """Append K/V rows `[1, H_kv, S, d]` at `u.offset` with mlx-lm KVCache growth (step 256)."""
+    P, S = u.offset, k.shape[2]
+    cap = u.keys.shape[2] if u.keys is not None else 0
+    growth = plan.kv_growth(cap, P, S)
+    if growth is not None:
+        keep, new_cap = growth
+        u.keys = grow_rows(u.keys, 2, keep, new_cap, (k.shape, k.dtype))
+        u.values = grow_rows(u.values, 2, keep, new_cap, (v.shape, v.dtype))
+    u.keys = write_rows(u.keys, k, P, 2)
+    u.values = write_rows(u.values, v, P, 2)
+    u.offset = P + S
+
+
+def ensure_rows(backing: mx.array | None, new_cap: int, axis: int, like: tuple) -> mx.array:
+    """Grow (copy + zero fill) a backing to exactly `new_cap` rows; never shrink."""
+    cap = backing.shape[axis] if backing is not None else 0
+    if backing is not None and cap >= new_cap:
+        return backing
+    return grow_rows(backing, axis, cap, new_cap, like)

@@ -1,0 +1,148 @@
+"""The compiled indexer core (RUNTIME.md §6): one `mx.compile`d graph per structural key.
+
+A graph performs the whole indexer step of a call — (for the `hidden` source) the indexer
+projection, query prep, the raw-row write, staging-window pooling, scoring, exact top-k and
+the mode's output format. Every value that moves between calls (rows' positions, the window
+start) is an array input, so calls with equal shapes never retrace; backings are
+power-of-two buckets so the number of keys stays logarithmic in the context. RoPE tables
+and the score penalty are computed eagerly and passed in (RUNTIME §10: the eager and the
+compiled paths must produce identical bits).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from . import plan
+from .indexer import (
+    IndexerGeometry,
+    dense_keep_mask,
+    pool_blocks,
+    prepare_queries,
+    row_token_slots,
+    select_rows,
+    split_qk_rows,
+)
+
+
+@dataclass
+class CoreInputs:
+    """Arrays of one compiled dispatch (backings already reserved to the key's buckets)."""
+
+    source: mx.array  # [1, S, D] hidden or [1, S, (H_I+1)·d_I] qk_rows
+    proj_w: mx.array | None  # index_qk_proj weight for the hidden source
+    q_norm_w: mx.array
+    k_norm_w: mx.array
+    raw: mx.array  # [1, cap_raw, d_I]
+    pooled: mx.array  # [1, cap_pool, d_I]
+    cos_rows: mx.array  # [S, d_r/2] at the rows' (index) positions
+    sin_rows: mx.array
+    cos_win: mx.array  # [m, d_r/2] at the window blocks' first tokens
+    sin_win: mx.array
+    positions: mx.array  # int32 [S], the rows' absolute positions
+    pos0: mx.array  # int32 [1], P (first row written)
+    win_start: mx.array  # int32 [1], first block of the staging window
+    penalty: mx.array  # float32 [cap_pool]
+
+
+def _graph(key: plan.CompiledKey, g: IndexerGeometry, m: int) -> Callable:
+    """The traced function of one key; all structure comes from the key (Python constants)."""
+    chunk, mode = key.selector_chunk_rows, key.mode
+    hidden_source = key.source == "hidden"
+
+    def run(
+        source,
+        proj_w,
+        q_norm_w,
+        k_norm_w,
+        raw,
+        pooled,
+        cos_rows,
+        sin_rows,
+        cos_win,
+        sin_win,
+        positions,
+        pos0,
+        win_start,
+        penalty,
+    ):
+        z = source @ proj_w.T if hidden_source else source
+        q_raw, k_raw = split_qk_rows(z, g)
+        zero = mx.zeros(1, mx.int32)
+        raw = mx.slice_update(
+            raw, k_raw.astype(raw.dtype), mx.concatenate([zero, pos0, zero]), axes=(0, 1, 2)
+        )
+        window = pool_blocks(raw, win_start, m, k_norm_w, cos_win, sin_win, g)
+        pooled = mx.slice_update(
+            pooled,
+            window.astype(pooled.dtype),
+            mx.concatenate([zero, win_start, zero]),
+            axes=(0, 1, 2),
+        )
+        if mode == "update_only":
+            return raw, pooled
+        q = prepare_queries(q_raw, q_norm_w, cos_rows, sin_rows, g)
+        keys_t = pooled[0].astype(mx.float32).T
+        ids, valid, scores = select_rows(
+            q, keys_t, penalty, positions, g.ratio, g.block_topk, chunk
+        )
+        if mode in ("blocks", "prefill_blocks"):
+            return raw, pooled, ids, valid, scores
+        if mode == "row_tokens":
+            slots, slot_valid = row_token_slots(ids, valid, positions, g.ratio)
+            return raw, pooled, slots, slot_valid
+        mask = dense_keep_mask(ids, valid, positions, key.dense_output_tokens, g.ratio)
+        return raw, pooled, mask
+
+    return run
+
+
+class IndexerCore:
+    """One layer's compiled core: graphs by key label, and its cumulative receipt."""
+
+    def __init__(self, geometry: IndexerGeometry) -> None:
+        self.geometry = geometry
+        self.receipt = plan.CoreReceipt()
+        self._graphs: dict[str, Callable] = {}
+
+    @property
+    def entry_count(self) -> int:
+        return len(self._graphs)
+
+    def dispatch(self, key: plan.CompiledKey, m: int, inputs: CoreInputs) -> tuple[mx.array, ...]:
+        """Run the graph of `key`; returns (raw, pooled, *mode outputs)."""
+        fn = self._graphs.get(key.label)
+        if fn is None:
+            fn = mx.compile(_graph(key, self.geometry, m))
+        proj_w = inputs.proj_w if inputs.proj_w is not None else mx.zeros((1, 1), mx.bfloat16)
+        out = fn(
+            inputs.source,
+            proj_w,
+            inputs.q_norm_w,
+            inputs.k_norm_w,
+            inputs.raw,
+            inputs.pooled,
+            inputs.cos_rows,
+            inputs.sin_rows,
+            inputs.cos_win,
+            inputs.sin_win,
+            inputs.positions,
+            inputs.pos0,
+            inputs.win_start,
+            inputs.penalty,
+        )
+        # Account only once the graph has been built without error.
+        self._graphs[key.label] = fn
+        self.receipt.record(key, compiled=not compile_disabled())
+        return tuple(out)
+
+    def to_dict(self, prefill_workspace: int) -> dict:
+        return self.receipt.to_dict(prefill_workspace)
+
+
+def compile_disabled() -> bool:
+    return os.environ.get("MLX_DISABLE_COMPILE", "") not in ("", "0")

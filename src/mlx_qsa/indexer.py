@@ -1,0 +1,241 @@
+"""The QSA indexer in portable MLX: query prep, block pooling, scoring, exact top-k, formats.
+
+Every routine here is shared by the eager path, the legacy selector, the oracle scorer and
+the compiled core (RUNTIME.md §10.5: one score routine, one accumulation order), so their
+selections and states agree bit for bit. None of them reads a value back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import QSAConfig
+from .rope import apply_rope, rms_norm
+
+SQRT_128_F32 = 11.313708305358887  # float32(sqrt(128)), bits 0x413504f3
+
+
+class QSAIndexer(nn.Module):
+    """Indexer parameters (HF names): `index_qk_proj`, `q_layernorm`, `k_layernorm`.
+
+    At fusion level 4 the projection lives in the layer's fused matrix and `index_qk_proj`
+    is absent; the layer passes the 640 fused columns (`qk_rows`) instead.
+    """
+
+    def __init__(self, cfg: QSAConfig, with_projection: bool = True) -> None:
+        super().__init__()
+        if with_projection:
+            self.index_qk_proj = nn.Linear(cfg.hidden_size, cfg.index_proj_width, bias=False)
+        self.q_layernorm = nn.RMSNorm(cfg.indexer_head_dim, eps=cfg.rms_norm_eps)
+        self.k_layernorm = nn.RMSNorm(cfg.indexer_head_dim, eps=cfg.rms_norm_eps)
+
+
+@dataclass(frozen=True)
+class IndexerGeometry:
+    n_heads: int
+    head_dim: int
+    ratio: int
+    block_topk: int
+    rotary_dim: int
+    eps: float
+
+    @classmethod
+    def of(cls, cfg: QSAConfig) -> IndexerGeometry:
+        return cls(
+            cfg.indexer_n_heads,
+            cfg.indexer_head_dim,
+            cfg.indexer_compress_ratio,
+            cfg.block_topk,
+            cfg.rotary_dim,
+            cfg.rms_norm_eps,
+        )
+
+
+def split_qk_rows(z: mx.array, g: IndexerGeometry) -> tuple[mx.array, mx.array]:
+    """`z [1, S, (H_I+1)·d_I]` → raw index queries `[1, H_I, S, d_I]`, raw keys `[1, S, d_I]`."""
+    S = z.shape[1]
+    w = g.n_heads * g.head_dim
+    q = z[..., :w].reshape(1, S, g.n_heads, g.head_dim).transpose(0, 2, 1, 3)
+    return q, z[..., w : w + g.head_dim]
+
+
+def prepare_queries(
+    q_raw: mx.array, norm_w: mx.array, cos: mx.array, sin: mx.array, g: IndexerGeometry
+) -> mx.array:
+    """Index queries: RMSNorm (q_layernorm) then RoPE at the rows' positions."""
+    return apply_rope(rms_norm(q_raw, norm_w, g.eps), cos, sin, g.rotary_dim)
+
+
+def pool_blocks(
+    raw: mx.array,
+    first_block: int | mx.array,
+    n_blocks: int,
+    norm_w: mx.array,
+    cos: mx.array,
+    sin: mx.array,
+    g: IndexerGeometry,
+) -> mx.array:
+    """Block keys `[1, n_blocks, d_I]` for blocks first_block .. first_block+n_blocks-1.
+
+    raw: the raw-key backing `[1, cap_raw, d_I]`; cos/sin: tables at the blocks' first
+    tokens. float32 `((r0 + r1) + r2) + r3`, / 4, bf16, k_layernorm, RoPE (QSA.md §7).
+    `first_block` may be an int32 array (compiled core: a moving scalar).
+    """
+    r = g.ratio
+    if isinstance(first_block, int):
+        rows = raw[:, first_block * r : (first_block + n_blocks) * r, :]
+    else:
+        start = (first_block * r).reshape(1)
+        rows = mx.slice(
+            raw,
+            mx.concatenate([mx.zeros(1, mx.int32), start, mx.zeros(1, mx.int32)]),
+            (0, 1, 2),
+            (1, n_blocks * r, g.head_dim),
+        )
+    rows = rows.astype(mx.float32).reshape(1, n_blocks, r, g.head_dim)
+    acc = rows[:, :, 0, :]
+    for j in range(1, r):
+        acc = acc + rows[:, :, j, :]
+    mean = (acc / r).astype(raw.dtype)
+    return apply_rope(rms_norm(mean, norm_w, g.eps), cos, sin, g.rotary_dim)
+
+
+@lru_cache(maxsize=64)
+def block_penalty(n: int) -> mx.array:
+    """`float32(b) * float32(1e-12)` for b < n, computed once outside any compiled graph
+    (inside one, the multiply could contract with the subtraction into an FMA)."""
+    p = mx.arange(n, dtype=mx.float32) * mx.array(1e-12, dtype=mx.float32)
+    mx.eval(p)
+    return p
+
+
+def score_blocks(q: mx.array, keys_t: mx.array, penalty: mx.array) -> mx.array:
+    """Adjusted scores `[S, N]` float32 of index queries against block keys (QSA.md §8.2).
+
+    q: `[1, H_I, S, d_I]` (bf16 or f32); keys_t: `[d_I, N]` float32 (the mirror layout).
+    ReLU per head, head sum in order 0..H_I-1, float32 division by float32(sqrt(128)),
+    minus the per-block penalty. Rows' visibility is applied by the selector.
+    """
+    logits = mx.matmul(q[0].astype(mx.float32), keys_t)  # [H_I, S, N]
+    acc = mx.maximum(logits[0], 0.0)
+    for h in range(1, logits.shape[0]):
+        acc = acc + mx.maximum(logits[h], 0.0)
+    return acc / mx.array(SQRT_128_F32, dtype=mx.float32) - penalty
+
+
+def visible_blocks(positions: mx.array, ratio: int) -> mx.array:
+    """nb(p) = (p + 1) // r per row, int32 `[S]`."""
+    return (positions + 1) // ratio
+
+
+def top_blocks(adj: mx.array, nb_rows: mx.array, k: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Exact top-k per row in the order (adj desc, id asc) over blocks b < nb_rows.
+
+    adj: `[S, N]` float32. Returns ids int32 `[S, k]` (valid first, ascending), valid bool
+    `[S, k]`, scores float32 `[S, k]` (invalid: id 0, False, -inf). Independent of sort
+    stability: the k-th largest value is a threshold, exact ties at it go to the lowest ids.
+    """
+    S, N = adj.shape
+    ids_n = mx.arange(N, dtype=mx.int32)
+    eligible = ids_n[None, :] < nb_rows[:, None]
+    adj = mx.where(eligible, adj, -mx.inf)
+    if N > k:
+        thresh = mx.min(mx.topk(adj, k, axis=-1), axis=-1, keepdims=True)
+        above = eligible & (adj > thresh)
+        ties = eligible & (adj == thresh)
+        need = k - mx.sum(above, axis=-1, keepdims=True).astype(mx.int32)
+        sel = above | (ties & (mx.cumsum(ties.astype(mx.int32), axis=-1) <= need))
+    else:
+        sel = eligible
+    count = mx.sum(sel, axis=-1, keepdims=True).astype(mx.int32)
+    rank = mx.cumsum(sel.astype(mx.int32), axis=-1) - 1
+    width = max(k, N)
+    slot = mx.where(sel, rank, width)  # unselected ids land in a discarded column
+    out = mx.zeros((S, width + 1), dtype=mx.int32)
+    out = mx.put_along_axis(out, slot, mx.broadcast_to(ids_n[None, :], (S, N)), axis=-1)
+    valid = mx.arange(k, dtype=mx.int32)[None, :] < count
+    ids = mx.where(valid, out[:, :k], 0)
+    scores = mx.where(valid, mx.take_along_axis(adj, ids, axis=-1), -mx.inf)
+    return ids, valid, scores
+
+
+def select_rows(
+    q: mx.array,
+    keys_t: mx.array,
+    penalty: mx.array,
+    positions: mx.array,
+    ratio: int,
+    k: int,
+    chunk: int,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Score and select for every row, `chunk` query rows per pass (bounded score memory).
+
+    q `[1, H_I, S, d_I]`, keys_t `[d_I, N]` float32, positions int32 `[S]`; returns the
+    `top_blocks` triple for all S rows.
+    """
+    S = q.shape[2]
+    nb_rows = (positions + 1) // ratio
+    parts = []
+    for r0 in range(0, S, chunk):
+        r1 = min(S, r0 + chunk)
+        adj = score_blocks(q[:, :, r0:r1, :], keys_t, penalty)
+        parts.append(top_blocks(adj, nb_rows[r0:r1], k))
+    if len(parts) == 1:
+        return parts[0]
+    ids, valid, scores = (mx.concatenate([p[i] for p in parts]) for i in range(3))
+    return ids, valid, scores
+
+
+@dataclass
+class Selection:
+    """A selection in one of RUNTIME.md §7's formats.
+
+    kind: "blocks" | "prefill_blocks" | "row_tokens" | "token_list" | "dense_mask".
+    """
+
+    kind: str
+    ids: mx.array | None = None  # [S, K] int32
+    valid: mx.array | None = None  # [S, K] bool
+    scores: mx.array | None = None  # [S, K] float32
+    slots: mx.array | None = None  # row tokens [S, B + r] / token list [n]
+    slot_valid: mx.array | None = None
+    mask: mx.array | None = None  # dense mask [1, 1, S, T]
+    tail_start: int = 0
+
+
+def row_token_slots(
+    ids: mx.array, valid: mx.array, positions: mx.array, ratio: int
+) -> tuple[mx.array, mx.array]:
+    """Row-tokens format `[S, K·r + r]` (RUNTIME §7): block groups ascending, then the tail."""
+    S, k = ids.shape
+    j = mx.arange(ratio, dtype=mx.int32)
+    blk = (ids[:, :, None] * ratio + j[None, None, :]).reshape(S, k * ratio)
+    blk_valid = mx.repeat(valid, ratio, axis=1)
+    tail = ((positions + 1) // ratio * ratio)[:, None] + j[None, :]
+    tail_valid = tail <= positions[:, None]
+    slots = mx.concatenate([mx.where(blk_valid, blk, 0), mx.where(tail_valid, tail, 0)], axis=1)
+    return slots, mx.concatenate([blk_valid, tail_valid], axis=1)
+
+
+def dense_keep_mask(
+    ids: mx.array, valid: mx.array, positions: mx.array, width: int, ratio: int
+) -> mx.array:
+    """Boolean keep-mask `[S, width]` over tokens: selected blocks OR visible tail, AND causal.
+
+    Scatter into `width // ratio + 1` block columns; the last one absorbs invalid slots.
+    """
+    S, _ = ids.shape
+    n_blk = -(-width // ratio)
+    sentinel = n_blk
+    cols = mx.where(valid, ids, sentinel)
+    blocks = mx.zeros((S, n_blk + 1), dtype=mx.bool_)
+    blocks = mx.put_along_axis(blocks, cols, mx.ones(cols.shape, dtype=mx.bool_), axis=-1)
+    t = mx.arange(width, dtype=mx.int32)
+    in_block = mx.take(blocks[:, :n_blk], t // ratio, axis=1)
+    p = positions[:, None]
+    tail = (t[None, :] >= (p + 1) // ratio * ratio) & (t[None, :] <= p)
+    return (in_block | tail) & (t[None, :] <= p)

@@ -1,0 +1,86 @@
+"""Rotate-half RoPE / interleaved MRoPE and the plain-weight RMSNorm (QSA.md §3, §5).
+
+Both routines write cache states, so every path (eager, compiled, legacy, oracle scorer)
+must produce the same bits (RUNTIME.md §10). Two hazards are avoided by construction:
+- FMA contraction: `mx.compile` fuses chains of elementwise ops into generated kernels,
+  and the generated code may contract `a*c - b*s` into an FMA. A slice (not fusable) sits
+  between the products and the add/sub, so each product is rounded to float32 first.
+- Transcendental differences: cos/sin tables are computed eagerly by `rope_tables` and fed
+  to compiled graphs as array inputs, never recomputed inside them.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from .config import QSAConfig, inv_frequencies, mrope_axes
+
+
+@lru_cache(maxsize=32)
+def _freqs(cfg: QSAConfig) -> mx.array:
+    return mx.array(inv_frequencies(cfg), dtype=mx.float32)
+
+
+@lru_cache(maxsize=32)
+def _axis_selectors(cfg: QSAConfig) -> tuple[mx.array, mx.array, mx.array]:
+    axes = mrope_axes(cfg)
+    return tuple(mx.array([a == k for a in axes]) for k in range(3))
+
+
+def rope_tables(positions: mx.array, cfg: QSAConfig) -> tuple[mx.array, mx.array]:
+    """cos/sin tables `[n, d_r/2]` float32 for int positions `[n]` (text) or `[3, n]` (T, H, W).
+
+    `phi_i = float32(pos_axis(i)) * f_i`; the axis of pair i follows QSA.md §5.
+    """
+    freqs = _freqs(cfg)
+    pos = positions.astype(mx.float32)
+    if positions.ndim == 1:
+        phi = pos[:, None] * freqs[None, :]
+    elif positions.ndim == 2 and positions.shape[0] == 3:
+        sel_t, sel_h, sel_w = _axis_selectors(cfg)
+        p = mx.where(sel_h[None, :], pos[1][:, None], pos[0][:, None])
+        p = mx.where(sel_w[None, :], pos[2][:, None], p)
+        phi = p * freqs[None, :]
+    else:
+        raise ValueError(f"positions: expected shape [n] or [3, n], got {list(positions.shape)}")
+    return mx.cos(phi), mx.sin(phi)
+
+
+def text_positions(start: int, stop: int, step: int = 1) -> mx.array:
+    return mx.arange(start, stop, step, dtype=mx.int32)
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, rotary_dim: int) -> mx.array:
+    """Rotate-half RoPE over the first `rotary_dim` channels of the last axis.
+
+    x: `[..., n, width]` with the row axis second to last; cos/sin `[n, rotary_dim/2]`.
+    Output has x's dtype; channels >= rotary_dim pass through unchanged.
+    """
+    half = rotary_dim // 2
+    xf = x[..., :rotary_dim].astype(mx.float32)
+    a, b = xf[..., :half], xf[..., half:]
+    # One multiply produces all four products; the slices below are the fusion barrier.
+    prods = mx.concatenate([a, b, b, a], axis=-1) * mx.concatenate([cos, sin, cos, sin], axis=-1)
+    ac = prods[..., :half]
+    bs = prods[..., half : 2 * half]
+    bc = prods[..., 2 * half : 3 * half]
+    as_ = prods[..., 3 * half :]
+    rotated = mx.concatenate([ac - bs, bc + as_], axis=-1).astype(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    return mx.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """Plain-weight RMSNorm: `bf16(x / sqrt(mean(x^2) + eps)) * w` (MLX order, QSA.md §3).
+
+    Only correctly rounded operations (square, sum, divide, sqrt) are used, so eager SIMD
+    code and `mx.compile`-generated code give the same bits; the mean is a division (not a
+    multiply by 1/n) so no fused multiply-add can form with the epsilon add.
+    """
+    xf = x.astype(mx.float32)
+    ms = mx.sum(xf * xf, axis=-1, keepdims=True) / xf.shape[-1]
+    n = (xf / mx.sqrt(ms + eps)).astype(x.dtype)
+    return n * weight.astype(x.dtype)
