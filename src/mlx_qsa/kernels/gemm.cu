@@ -1,0 +1,452 @@
+// GEMM y = x · Wᵀ + b for mx.fast.cuda_kernel (bf16 in and out, fp32 accumulation, bf16 bias
+// epilogue). Launcher: gemm.py. The text above the BODY marker goes in through `header=`, the
+// text below it is the kernel body; MLX generates the signature
+//   (const __nv_bfloat16* x, Shape x_shape, const __nv_bfloat16* w, Shape w_shape,
+//    const __nv_bfloat16* b, __nv_bfloat16* y)
+// and the template constants TM, TN, TK, WARPS, WALK_M, STAGES, WGMMA, LAYOUT_M.
+//
+// Shared memory: per stage an x tile [TM, TK] then a W tile [TN, TK], each stored as TK/64
+// column atoms of 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at chunk
+// c ^ (r % 8)), the layout wgmma reads through a K-major SW128 descriptor and ldmatrix reads
+// without bank conflicts. Both are filled by cp.async (zero-filled outside M, N and K).
+
+__device__ __forceinline__ unsigned qsa_smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void qsa_cp_async16(unsigned dst, const void* src, bool valid) {
+  int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void qsa_cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void qsa_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Orders this thread's completed generic-proxy shared writes (cp.async) before later
+// async-proxy reads (wgmma) of other threads that pass the following barrier.
+__device__ __forceinline__ void qsa_fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` inside one 128B-swizzled atom.
+__device__ __forceinline__ unsigned qsa_swz(int row, int chunk) {
+  return static_cast<unsigned>(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+
+// Copies rows [row0, row0 + ROWS) x columns [k0, k0 + TK) of a row-major [rows, K] bf16 matrix
+// into one swizzled stage tile at shared address `dst`. Each thread keeps one 16-byte column
+// chunk and walks rows RSTEP apart with one pointer, so few addresses stay live across the loop.
+template <int ROWS, int TK, int THREADS>
+__device__ __forceinline__ void qsa_load_tile(unsigned dst, const __nv_bfloat16* src, int rows,
+                                              int K, int row0, int k0, int tid) {
+  constexpr int CHUNKS = TK / 8;  // 16-byte chunks per row
+  static_assert(THREADS % CHUNKS == 0, "a block row of threads must cover whole tile rows");
+  constexpr int RSTEP = THREADS / CHUNKS;
+  static_assert(ROWS % RSTEP == 0, "tile rows must divide evenly over the block");
+  const int c = tid % CHUNKS;
+  const int r0 = tid / CHUNKS;
+  const int gk = k0 + c * 8;
+  const bool kvalid = gk < K;
+  const __nv_bfloat16* p = src + static_cast<long long>(row0 + r0) * K + gk;
+  const long long step = static_cast<long long>(RSTEP) * K;
+  const unsigned d0 = dst + static_cast<unsigned>((c >> 3) * ROWS * 128 + r0 * 128);
+  const int cl = c & 7;
+#pragma unroll
+  for (int it = 0; it < ROWS / RSTEP; ++it) {
+    const int r = r0 + it * RSTEP;
+    const int sw = (RSTEP % 8 == 0) ? (r0 & 7) : (r & 7);
+    const bool valid = kvalid && (row0 + r < rows);
+    qsa_cp_async16(d0 + static_cast<unsigned>(it * RSTEP * 128 + ((cl ^ sw) << 4)),
+                   valid ? p : src, valid);
+    p += step;
+  }
+}
+
+// ---- warpgroup MMA (sm_90a) ----
+
+// K-major operand with the 128-byte swizzle: rows 128 bytes apart, 8-row groups 1024 bytes
+// apart (stride byte offset), leading byte offset unused (encoded 1).
+__device__ __forceinline__ unsigned long long qsa_desc_sw128(unsigned addr) {
+  unsigned long long d = 0;
+  d |= static_cast<unsigned long long>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<unsigned long long>(1) << 16;
+  d |= static_cast<unsigned long long>(1024 >> 4) << 32;
+  d |= static_cast<unsigned long long>(1) << 62;
+  return d;
+}
+
+__device__ __forceinline__ void qsa_wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void qsa_wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void qsa_wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accumulator accesses across a wgmma wait.
+__device__ __forceinline__ void qsa_reg_fence(float& r) {
+  asm volatile("" : "+f"(r)::"memory");
+}
+
+__device__ __forceinline__ void qsa_wgmma_n64(float (&d)[32], unsigned long long da,
+                                               unsigned long long db) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
+      " %32, %33, 1, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db));
+}
+
+__device__ __forceinline__ void qsa_wgmma_n128(float (&d)[64], unsigned long long da,
+                                               unsigned long long db) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"
+      " %64, %65, 1, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db));
+}
+
+__device__ __forceinline__ void qsa_wgmma_n256(float (&d)[128], unsigned long long da,
+                                               unsigned long long db) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      " %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      " %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+      " %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+      " %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127},"
+      " %128, %129, 1, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db));
+}
+
+template <int WN>
+__device__ __forceinline__ void qsa_wgmma(float (&d)[WN / 2], unsigned long long da,
+                                          unsigned long long db) {
+  if constexpr (WN == 64) {
+    qsa_wgmma_n64(d, da, db);
+  } else if constexpr (WN == 128) {
+    qsa_wgmma_n128(d, da, db);
+  } else {
+    static_assert(WN == 256, "warpgroup N extent must be 64, 128 or 256");
+    qsa_wgmma_n256(d, da, db);
+  }
+}
+
+// ---- warp MMA (mma.sync m16n8k16, any sm_80+) ----
+
+__device__ __forceinline__ void qsa_ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void qsa_mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                              unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Epilogue for one accumulator pair: y[row, col:col+2] = bf16(acc + b[col:col+2]).
+__device__ __forceinline__ void qsa_store_pair(__nv_bfloat16* y, const __nv_bfloat16* b, int M,
+                                               int N, int row, int col, float v0, float v1) {
+  if (row < M && col < N) {
+    __nv_bfloat162 bias = *reinterpret_cast<const __nv_bfloat162*>(b + col);
+    __nv_bfloat162 out;
+    out.x = __float2bfloat16_rn(v0 + __bfloat162float(bias.x));
+    out.y = __float2bfloat16_rn(v1 + __bfloat162float(bias.y));
+    *reinterpret_cast<__nv_bfloat162*>(y + static_cast<long long>(row) * N + col) = out;
+  }
+}
+
+// One thread block computes one [TM, TN] tile of y. TM, TN, TK: block tile; WARPS: warps per
+// block; WALK_M: grouped rasterisation (SWEEP.md §4); STAGES: cp.async ring depth; WGMMA: 1 for
+// warpgroup MMA, 0 for warp mma.sync; LAYOUT_M: warpgroups (or warps) stacked along M, the
+// rest split N.
+template <int TM, int TN, int TK, int WARPS, int WALK_M, int STAGES, int WGMMA, int LAYOUT_M>
+__device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w,
+                                         const __nv_bfloat16* b, __nv_bfloat16* y, int M, int N,
+                                         int K) {
+  constexpr int THREADS = WARPS * 32;
+  constexpr int STAGE_A = TM * TK * 2;
+  constexpr int STAGE_BYTES = (TM + TN) * TK * 2;
+  // One wgmma group stays in flight when the ring has room for it.
+  constexpr int INFLIGHT = (WGMMA && STAGES >= 3) ? 1 : 0;
+  constexpr int PD = STAGES - 1 - INFLIGHT;  // k-slices loaded ahead of the one computed
+  static_assert(TK % 64 == 0, "TK must be a multiple of the 64-column swizzle atom");
+
+  extern __shared__ unsigned char qsa_smem[];
+  const unsigned smem0 = (qsa_smem_u32(qsa_smem) + 1023u) & ~1023u;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+
+  // Tile rasterisation (SWEEP.md §4).
+  const int tiles_m = (M + TM - 1) / TM;
+  const int tiles_n = (N + TN - 1) / TN;
+  const int pid = blockIdx.x;
+  int tile_m, tile_n;
+  if constexpr (WALK_M == 0) {
+    tile_m = pid / tiles_n;
+    tile_n = pid % tiles_n;
+  } else {
+    const int span = WALK_M * tiles_n;
+    const int first = (pid / span) * WALK_M;
+    const int g = min(tiles_m - first, WALK_M);
+    const int r = pid % span;
+    tile_m = first + r % g;
+    tile_n = r / g;
+  }
+  const int m0 = tile_m * TM;
+  const int n0 = tile_n * TN;
+  const int KT = (K + TK - 1) / TK;
+
+  auto load_stage = [&](int kt, int slot) {
+    const unsigned base = smem0 + static_cast<unsigned>(slot * STAGE_BYTES);
+    qsa_load_tile<TM, TK, THREADS>(base, x, M, K, m0, kt * TK, tid);
+    qsa_load_tile<TN, TK, THREADS>(base + STAGE_A, w, N, K, n0, kt * TK, tid);
+  };
+
+  if constexpr (WGMMA) {
+    // Warpgroup g owns rows [wg_m·WG_TM, +WG_TM) and columns [wg_n·WG_TN, +WG_TN).
+    constexpr int WGS = WARPS / 4;
+    constexpr int WG_TM = TM / LAYOUT_M;
+    constexpr int WG_TN = TN / (WGS / LAYOUT_M);
+    constexpr int MI = WG_TM / 64;
+    const int wg = warp >> 2;
+    const int wg_m = wg % LAYOUT_M;
+    const int wg_n = wg / LAYOUT_M;
+    float acc[MI][WG_TN / 2];
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+      for (int j = 0; j < WG_TN / 2; ++j) {
+        acc[i][j] = 0.0f;
+      }
+    }
+
+#pragma unroll
+    for (int s = 0; s < PD; ++s) {
+      if (s < KT) {
+        load_stage(s, s);
+      }
+      qsa_cp_async_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+      if constexpr (PD == 0) {
+        __syncthreads();
+        load_stage(kt, 0);
+        qsa_cp_async_commit();
+        qsa_cp_async_wait<0>();
+      } else {
+        qsa_cp_async_wait<(PD > 0 ? PD - 1 : 0)>();
+      }
+      qsa_fence_proxy_async();
+      __syncthreads();
+      if constexpr (PD > 0) {
+        // The slot refilled here was last read by the wgmma group of k-slice
+        // kt - 1 - INFLIGHT, which every warp has waited for before the barrier.
+        const int nk = kt + PD;
+        if (nk < KT) {
+          load_stage(nk, nk % STAGES);
+        }
+        qsa_cp_async_commit();
+      }
+      const int slot = (PD == 0) ? 0 : kt % STAGES;
+      const unsigned a_base = smem0 + static_cast<unsigned>(slot * STAGE_BYTES);
+      const unsigned b_base = a_base + STAGE_A;
+      qsa_wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < TK / 16; ++ks) {
+        const unsigned atom = static_cast<unsigned>(ks >> 2);
+        const unsigned kin = static_cast<unsigned>((ks & 3) * 32);
+        const unsigned long long db = qsa_desc_sw128(
+            b_base + atom * (TN * 128) + static_cast<unsigned>(wg_n * WG_TN * 128) + kin);
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+          const unsigned long long da =
+              qsa_desc_sw128(a_base + atom * (TM * 128) +
+                             static_cast<unsigned>((wg_m * WG_TM + i * 64) * 128) + kin);
+          qsa_wgmma<WG_TN>(acc[i], da, db);
+        }
+      }
+      qsa_wgmma_commit();
+      qsa_wgmma_wait<INFLIGHT>();
+    }
+    qsa_wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+      for (int j = 0; j < WG_TN / 2; ++j) {
+        qsa_reg_fence(acc[i][j]);
+      }
+    }
+
+    // Accumulator layout of m64nN: warp q of the warpgroup holds rows 16q + lane/4 (+8);
+    // registers 4j..4j+3 hold columns 8j + 2(lane%4) (+1).
+    const int wq = warp & 3;
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+      const int row = m0 + wg_m * WG_TM + i * 64 + wq * 16 + (lane >> 2);
+#pragma unroll
+      for (int j = 0; j < WG_TN / 8; ++j) {
+        const int col = n0 + wg_n * WG_TN + j * 8 + 2 * (lane & 3);
+        qsa_store_pair(y, b, M, N, row, col, acc[i][4 * j], acc[i][4 * j + 1]);
+        qsa_store_pair(y, b, M, N, row + 8, col, acc[i][4 * j + 2], acc[i][4 * j + 3]);
+      }
+    }
+  } else {
+    // Warp (wm, wn) owns a [WTM, WTN] sub-tile: MI x NI tiles of m16n8.
+    constexpr int WN_ = WARPS / LAYOUT_M;
+    constexpr int WTM = TM / LAYOUT_M;
+    constexpr int WTN = TN / WN_;
+    constexpr int MI = WTM / 16;
+    constexpr int NI = WTN / 8;
+    static_assert(NI % 2 == 0, "warp N extent must be a multiple of 16");
+    const int wm = warp % LAYOUT_M;
+    const int wn = warp / LAYOUT_M;
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+      for (int j = 0; j < NI; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[i][j][e] = 0.0f;
+        }
+      }
+    }
+
+#pragma unroll
+    for (int s = 0; s < PD; ++s) {
+      if (s < KT) {
+        load_stage(s, s);
+      }
+      qsa_cp_async_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+      if constexpr (PD == 0) {
+        __syncthreads();
+        load_stage(kt, 0);
+        qsa_cp_async_commit();
+        qsa_cp_async_wait<0>();
+      } else {
+        qsa_cp_async_wait<(PD > 0 ? PD - 1 : 0)>();
+      }
+      __syncthreads();
+      if constexpr (PD > 0) {
+        const int nk = kt + PD;
+        if (nk < KT) {
+          load_stage(nk, nk % STAGES);
+        }
+        qsa_cp_async_commit();
+      }
+      const int slot = (PD == 0) ? 0 : kt % STAGES;
+      const unsigned a_base = smem0 + static_cast<unsigned>(slot * STAGE_BYTES);
+      const unsigned b_base = a_base + STAGE_A;
+#pragma unroll
+      for (int ks = 0; ks < TK / 16; ++ks) {
+        const int atom = ks >> 2;
+        const int chunk0 = (ks & 3) * 2;
+        unsigned af[MI][4];
+        unsigned bf[NI][2];
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+          const int r = wm * WTM + i * 16 + (lane & 15);
+          const int c = chunk0 + (lane >> 4);
+          qsa_ldmatrix_x4(af[i], a_base + static_cast<unsigned>(atom * TM * 128) + qsa_swz(r, c));
+        }
+#pragma unroll
+        for (int j = 0; j < NI / 2; ++j) {
+          const int r = wn * WTN + j * 16 + (lane & 7) + ((lane >> 4) << 3);
+          const int c = chunk0 + ((lane >> 3) & 1);
+          unsigned t[4];
+          qsa_ldmatrix_x4(t, b_base + static_cast<unsigned>(atom * TN * 128) + qsa_swz(r, c));
+          bf[2 * j][0] = t[0];
+          bf[2 * j][1] = t[1];
+          bf[2 * j + 1][0] = t[2];
+          bf[2 * j + 1][1] = t[3];
+        }
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+#pragma unroll
+          for (int j = 0; j < NI; ++j) {
+            qsa_mma_16816(acc[i][j], af[i], bf[j][0], bf[j][1]);
+          }
+        }
+      }
+    }
+
+    // m16n8 accumulator layout: c0, c1 at row lane/4, columns 2(lane%4) (+1); c2, c3 at row +8.
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+      const int row = m0 + wm * WTM + i * 16 + (lane >> 2);
+#pragma unroll
+      for (int j = 0; j < NI; ++j) {
+        const int col = n0 + wn * WTN + j * 8 + 2 * (lane & 3);
+        qsa_store_pair(y, b, M, N, row, col, acc[i][j][0], acc[i][j][1]);
+        qsa_store_pair(y, b, M, N, row + 8, col, acc[i][j][2], acc[i][j][3]);
+      }
+    }
+  }
+}
+
+//// BODY ////
+  qsa_gemm<TM, TN, TK, WARPS, WALK_M, STAGES, WGMMA, LAYOUT_M>(x, w, b, y, x_shape[0], w_shape[0],
+                                                              x_shape[1]);

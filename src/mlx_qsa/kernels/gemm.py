@@ -1,0 +1,292 @@
+"""Tensor-core GEMM `y = x · Wᵀ + b` through `mx.fast.cuda_kernel` (kernel body: `gemm.cu`).
+
+`x [M, K]`, `W [N, K]`, `b [N]` and `y [M, N]` are bf16; products accumulate in fp32 and the
+epilogue is `y = bf16(acc + float(b))`, the order of cuBLASLt's bias epilogue. A configuration is a
+block tile `[TM, TN, TK]`, warps per block and `walk_m` (grouped rasterisation, SWEEP.md §4).
+Tiles whose warps form whole warpgroups run on `wgmma` (sm_90a); the others run on warp-level
+`mma.sync` m16n8k16. Both read a cp.async ring of 128-byte-swizzled shared-memory stages.
+
+`plan_gemm` and `tile_coords` are pure; MLX is imported only where arrays are made, so that
+`mlx_qsa.sweep` can set MLX's precision variables before MLX loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+SOURCE_PATH = Path(__file__).with_name("gemm.cu")
+BODY_MARKER = "//// BODY ////"
+
+MAX_DYNAMIC_SMEM = 232_448  # bytes per block on sm_90 (227 KiB)
+SMEM_ALIGN_PAD = 1024  # the swizzled stages start on a 1024-byte boundary
+MAX_STAGES = 4
+MAX_ACC_REGS = 128  # fp32 accumulators per thread
+WGMMA_N = (64, 128, 256)  # warpgroup N extents with a wrapper in gemm.cu
+FAMILIES = ("auto", "wgmma", "mma")
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """One compiled kernel: the configuration plus what the planner derived from it."""
+
+    tile: tuple[int, int, int]
+    warps: int
+    walk_m: int
+    stages: int
+    wgmma: bool
+    layout_m: int  # warpgroups (wgmma) or warps (mma) stacked along M
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def stage_bytes(self) -> int:
+        tm, tn, tk = self.tile
+        return (tm + tn) * tk * 2
+
+    @property
+    def shared_memory(self) -> int:
+        return self.stages * self.stage_bytes + SMEM_ALIGN_PAD
+
+    @property
+    def family(self) -> str:
+        return "wgmma" if self.wgmma else "mma"
+
+    @property
+    def label(self) -> str:
+        tm, tn, tk = self.tile
+        kind = f"{self.family}{self.layout_m}"
+        return f"{tm}x{tn}x{tk}_w{self.warps}_g{self.walk_m}_s{self.stages}_{kind}"
+
+    def template(self) -> list[tuple[str, int]]:
+        tm, tn, tk = self.tile
+        return [
+            ("TM", tm),
+            ("TN", tn),
+            ("TK", tk),
+            ("WARPS", self.warps),
+            ("WALK_M", self.walk_m),
+            ("STAGES", self.stages),
+            ("WGMMA", int(self.wgmma)),
+            ("LAYOUT_M", self.layout_m),
+        ]
+
+    def blocks(self, m: int, n: int) -> int:
+        tm, tn, _ = self.tile
+        return -(-m // tm) * -(-n // tn)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _wgmma_layout(tm: int, tn: int, warps: int) -> int | None:
+    """Warpgroups along M for the widest warpgroup N extent that fits, or None."""
+    if warps % 4:
+        return None
+    groups = warps // 4
+    best: tuple[int, int] | None = None
+    for lm in _divisors(groups):
+        wgn = groups // lm
+        if tm % (64 * lm) or tn % wgn:
+            continue
+        wg_tn = tn // wgn
+        if wg_tn not in WGMMA_N or (tm // lm // 64) * (wg_tn // 2) > MAX_ACC_REGS:
+            continue
+        if best is None or wg_tn > best[0]:
+            best = (wg_tn, lm)
+    return None if best is None else best[1]
+
+
+def _mma_layout(tm: int, tn: int, warps: int) -> int | None:
+    """Warps along M giving the squarest warp tile that fits, or None."""
+    best: tuple[int, int, int] | None = None
+    for lm in _divisors(warps):
+        wn = warps // lm
+        if tm % (16 * lm) or tn % (16 * wn):
+            continue
+        wtm, wtn = tm // lm, tn // wn
+        if (wtm // 16) * (wtn // 8) * 4 > MAX_ACC_REGS:
+            continue
+        score = (abs(wtm - wtn), -wtm, lm)
+        if best is None or score < best:
+            best = score
+    return None if best is None else best[2]
+
+
+def plan_gemm(
+    tile: tuple[int, int, int] | list[int],
+    warps: int,
+    walk_m: int = 0,
+    *,
+    stages: int | None = None,
+    family: str = "auto",
+) -> GemmPlan:
+    """Choose the kernel family, warp layout and pipeline depth for one configuration.
+
+    Raises ValueError for malformed values and NotImplementedError for configurations this
+    kernel family cannot run (no warp layout, loads that do not divide over the block, or
+    shared memory above the per-block limit).
+    """
+    if len(tile) != 3 or any(int(v) != v or v <= 0 for v in tile):
+        raise ValueError(f"plan_gemm(tile): expected three positive ints [TM, TN, TK], got {tile}")
+    tm, tn, tk = (int(v) for v in tile)
+    if warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"plan_gemm(warps): expected 1, 2, 4, 8 or 16, got {warps}")
+    if walk_m < 0:
+        raise ValueError(f"plan_gemm(walk_m): expected >= 0, got {walk_m}")
+    if family not in FAMILIES:
+        raise ValueError(f"plan_gemm(family): expected one of {FAMILIES}, got {family!r}")
+    if tk % 64:
+        raise ValueError(f"plan_gemm(tile): TK must be a multiple of 64 (swizzle atom), got {tk}")
+    threads = 32 * warps
+    # gemm.cu's loader: each thread keeps one 16-byte column chunk, rows threads/chunks apart.
+    chunks = tk // 8
+    if threads % chunks or tm % (threads // chunks) or tn % (threads // chunks):
+        raise NotImplementedError(
+            f"tile {[tm, tn, tk]} / {warps} warps: 16-byte loads do not divide over "
+            f"{threads} threads"
+        )
+
+    wg = _wgmma_layout(tm, tn, warps) if family in ("auto", "wgmma") else None
+    mm = _mma_layout(tm, tn, warps) if family in ("auto", "mma") and wg is None else None
+    if wg is None and mm is None:
+        raise NotImplementedError(
+            f"tile {[tm, tn, tk]} / {warps} warps: no {family} warp layout within "
+            f"{MAX_ACC_REGS} accumulators per thread"
+        )
+
+    stage_bytes = (tm + tn) * tk * 2
+    fit = (MAX_DYNAMIC_SMEM - SMEM_ALIGN_PAD) // stage_bytes
+    if stages is None:
+        stages = min(MAX_STAGES, fit)
+    if stages < 1 or stages > fit:
+        raise NotImplementedError(
+            f"tile {[tm, tn, tk]}: {max(stages, 1)} stage(s) of {stage_bytes} bytes exceed "
+            f"{MAX_DYNAMIC_SMEM} bytes of shared memory (at most {fit} fit)"
+        )
+    return GemmPlan(
+        tile=(tm, tn, tk),
+        warps=warps,
+        walk_m=walk_m,
+        stages=stages,
+        wgmma=wg is not None,
+        layout_m=wg if wg is not None else mm,
+    )
+
+
+def tile_coords(pid: int, tiles_m: int, tiles_n: int, walk_m: int) -> tuple[int, int]:
+    """Block `pid` -> (tile_m, tile_n), the rasterisation of SWEEP.md §4 (same as gemm.cu)."""
+    if walk_m == 0:
+        return pid // tiles_n, pid % tiles_n
+    span = walk_m * tiles_n
+    first = (pid // span) * walk_m
+    g = min(tiles_m - first, walk_m)
+    r = pid % span
+    return first + r % g, r // g
+
+
+@functools.cache
+def _source() -> tuple[str, str, str]:
+    """(header, body, digest) of gemm.cu, read once."""
+    text = SOURCE_PATH.read_text()
+    header, sep, body = text.partition(BODY_MARKER + "\n")
+    if not sep:
+        raise RuntimeError(f"{SOURCE_PATH}: missing the line {BODY_MARKER!r}")
+    return header, body, hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def _kernel(plan: GemmPlan):
+    import mlx.core as mx
+
+    header, body, digest = _source()
+    # MLX caches compiled modules by name (in memory and in MLX_PTX_CACHE_DIR), so the name
+    # carries the whole key and the source digest.
+    return mx.fast.cuda_kernel(
+        name=f"qsa_gemm_{plan.label}_{digest}",
+        input_names=["x", "w", "b"],
+        output_names=["y"],
+        source=body,
+        header=header,
+        ensure_row_contiguous=True,
+        shared_memory=plan.shared_memory,
+    )
+
+
+def _check_inputs(x: mx.array, w: mx.array, b: mx.array) -> None:
+    import mlx.core as mx
+
+    for name, a, nd in (("x", x, 2), ("w", w, 2), ("b", b, 1)):
+        if a.ndim != nd:
+            raise ValueError(f"gemm_bias({name}): expected {nd} dimensions, got shape {a.shape}")
+        if a.dtype != mx.bfloat16:
+            raise ValueError(f"gemm_bias({name}): expected bfloat16, got {a.dtype}")
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"gemm_bias(w): expected [N, K={k}], got {w.shape}")
+    if b.shape[0] != n:
+        raise ValueError(f"gemm_bias(b): expected [N={n}], got {b.shape}")
+    if m < 1 or n < 1:
+        raise ValueError(f"gemm_bias: M and N must be >= 1, got M={m}, N={n}")
+    if k % 8 or n % 8:
+        raise ValueError(
+            f"gemm_bias: K and N must be multiples of 8 (16-byte rows), got K={k}, N={n}"
+        )
+
+
+def gemm_bias(
+    x: mx.array,
+    w: mx.array,
+    b: mx.array,
+    *,
+    tile: tuple[int, int, int] = (128, 128, 64),
+    warps: int = 4,
+    walk_m: int = 8,
+    stages: int | None = None,
+    family: str = "auto",
+    init_value: float | None = None,
+) -> mx.array:
+    """`x [M, K] · w[N, K]ᵀ + b [N] -> y [M, N]`, bf16, on the custom CUDA kernel.
+
+    `init_value` fills `y` before the kernel runs (tests poison it with NaN).
+    """
+    import mlx.core as mx
+
+    if not mx.cuda.is_available():
+        raise RuntimeError(
+            "gemm_bias needs MLX with its CUDA backend (mx.cuda.is_available() is False)"
+        )
+    _check_inputs(x, w, b)
+    plan = plan_gemm(tile, warps, walk_m, stages=stages, family=family)
+    m, n = x.shape[0], w.shape[0]
+    threads = plan.threads
+    total = plan.blocks(m, n) * threads
+    if total > 2**31 - 1:
+        raise ValueError(f"gemm_bias: {plan.blocks(m, n)} blocks exceed the launch limit")
+    (y,) = _kernel(plan)(
+        inputs=[x, w, b],
+        output_shapes=[(m, n)],
+        output_dtypes=[mx.bfloat16],
+        grid=(total, 1, 1),
+        threadgroup=(threads, 1, 1),
+        template=plan.template(),
+        init_value=init_value,
+    )
+    return y
+
+
+def gemm_bias_reference(x: mx.array, w: mx.array, b: mx.array) -> mx.array:
+    """Portable twin of `gemm_bias`: MLX's built-in matmul with its bias epilogue."""
+    import mlx.core as mx
+
+    return mx.addmm(b, x, w.T)

@@ -1,0 +1,115 @@
+"""The custom CUDA GEMM (`kernels/gemm.py`) against its portable twin `mx.addmm`.
+
+Runs only on MLX with CUDA. Every configuration of the sweep grid (plus the extra tiles the GPU
+benchmark uses) runs on shapes that straddle tiles: one row, M not a multiple of TM, N not a
+multiple of TN, K not a multiple of TK. Outputs are poisoned with NaN first, so an element the
+kernel never writes fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_qsa.kernels.gemm import gemm_bias, gemm_bias_reference
+from mlx_qsa.sweep import DEFAULT_GRID, DEFAULT_WALKS, agreement
+
+needs_cuda = pytest.mark.skipif(
+    not mx.cuda.is_available(),
+    reason="the custom GEMM is an mx.fast.cuda_kernel: needs MLX with CUDA",
+)
+
+# bf16 outputs of two fp32-accumulating GEMMs that differ in summation order agree to about
+# one bf16 ulp per element (SWEEP.md §6: relative_rmse <= 4e-3 at bf16 ulp level).
+RMSE_TOL = 4e-3
+MAX_ABS_REL = 2.0**-6  # of max |reference|: a few ulps at the largest magnitude
+
+EXTRA_TILES = (
+    ((128, 256, 64), 8),
+    ((128, 128, 64), 4),
+    ((128, 128, 64), 8),
+    ((256, 128, 64), 8),
+    ((128, 256, 128), 8),
+    ((64, 256, 64), 4),
+)
+CONFIGS = [(t, w, g, "auto") for t, w in DEFAULT_GRID for g in DEFAULT_WALKS]
+CONFIGS += [(t, w, 8, "auto") for t, w in EXTRA_TILES]
+CONFIGS += [((128, 128, 128), 8, 8, "mma"), ((64, 64, 128), 4, 3, "mma")]
+
+# (M, N, K): one row; M, N and K off every tile; a partial walk_m group; K = D of the model.
+SHAPES = [(1, 64, 64), (37, 136, 200), (333, 520, 576), (131, 264, 2560)]
+
+
+def _id(cfg) -> str:
+    (tm, tn, tk), warps, walk, family = cfg
+    return f"{tm}x{tn}x{tk}-w{warps}-g{walk}-{family}"
+
+
+def _inputs(m: int, n: int, k: int, seed: int):
+    kx, kw, kb = mx.random.split(mx.random.key(seed), 3)
+    x = mx.random.normal((m, k), key=kx).astype(mx.bfloat16)
+    w = (mx.random.normal((n, k), key=kw) * k**-0.5).astype(mx.bfloat16)
+    b = (mx.random.normal((n,), key=kb) * 0.1).astype(mx.bfloat16)
+    return x, w, b
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_id)
+def test_gemm_matches_addmm(cfg):
+    tile, warps, walk, family = cfg
+    for i, (m, n, k) in enumerate(SHAPES):
+        x, w, b = _inputs(m, n, k, seed=1000 + i)
+        y = gemm_bias(
+            x, w, b, tile=tile, warps=warps, walk_m=walk, family=family, init_value=math.nan
+        )
+        ref = gemm_bias_reference(x, w, b)
+        assert y.shape == (m, n) and y.dtype == mx.bfloat16
+        c = np.array(y.astype(mx.float32))
+        r = np.array(ref.astype(mx.float32))
+        assert np.isfinite(c).all(), f"{m}x{n}x{k}: {np.count_nonzero(~np.isfinite(c))} unwritten"
+        max_abs, rmse, _ = agreement(r, c)
+        assert rmse <= RMSE_TOL, f"{m}x{n}x{k}: relative_rmse {rmse}"
+        assert max_abs <= MAX_ABS_REL * float(np.abs(r).max()), f"{m}x{n}x{k}: max_abs {max_abs}"
+        # Both against float64 on the same bf16 inputs, so a shared error would show too.
+        exact = np.array(x.astype(mx.float32), dtype=np.float64) @ np.array(
+            w.astype(mx.float32), dtype=np.float64
+        ).T + np.array(b.astype(mx.float32), dtype=np.float64)
+        assert agreement(exact, c)[1] <= RMSE_TOL
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_gemm_is_deterministic_and_independent_of_walk():
+    # Rasterisation changes only which block computes a tile, never the arithmetic.
+    x, w, b = _inputs(333, 520, 576, seed=7)
+    ys = [gemm_bias(x, w, b, tile=(64, 128, 128), warps=4, walk_m=g) for g in (0, 3, 8, 8)]
+    for y in ys[1:]:
+        assert mx.array_equal(y, ys[0]).item()
+
+
+@needs_cuda
+def test_gemm_input_checks():
+    x, w, b = _inputs(8, 64, 64, seed=3)
+    with pytest.raises(ValueError, match="bfloat16"):
+        gemm_bias(x.astype(mx.float16), w, b)
+    with pytest.raises(ValueError, match=r"expected \[N, K=64\]"):
+        gemm_bias(x, w[:, :32], b)
+    with pytest.raises(ValueError, match=r"expected \[N=64\]"):
+        gemm_bias(x, w, b[:32])
+    with pytest.raises(ValueError, match="multiples of 8"):
+        gemm_bias(x[:, :60], w[:, :60], b)
+    with pytest.raises(ValueError, match="TK must be a multiple of 64"):
+        gemm_bias(x, w, b, tile=(64, 64, 32))
+
+
+@pytest.mark.skipif(mx.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_gemm_without_cuda_raises():
+    x, w, b = _inputs(8, 64, 64, seed=3)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        gemm_bias(x, w, b)
+    # The portable twin runs anywhere.
+    assert gemm_bias_reference(x, w, b).shape == (8, 64)

@@ -1,0 +1,311 @@
+"""`mlx-qsa sweep`: schema against the reference fixture, metrics, grid, rasterisation, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_qsa import sweep
+from mlx_qsa.cli import main
+from mlx_qsa.kernels.gemm import MAX_DYNAMIC_SMEM, plan_gemm, tile_coords
+
+FIXTURE = Path(__file__).parent / "data" / "qkv_tile_sweep_m5pro.json"
+
+
+@pytest.fixture(scope="module")
+def fixture_text() -> str:
+    return FIXTURE.read_text()
+
+
+@pytest.fixture(scope="module")
+def fixture(fixture_text) -> dict:
+    return json.loads(fixture_text)
+
+
+@pytest.fixture(scope="module")
+def small_sweep(tmp_path_factory) -> tuple[str, dict]:
+    out = tmp_path_factory.mktemp("sweep") / "small.json"
+    rc = main(["sweep", "--shape", "64,32", "--tokens", "37", "--no-extra", "--out", str(out)])
+    assert rc == 0
+    text = out.read_text()
+    return text, json.loads(text)
+
+
+def _backend_key(env: dict) -> str:
+    keys = [k for k in env if k in ("cuda", "metal", "cpu")]
+    assert len(keys) == 1, f"exactly one backend block expected, got {list(env)}"
+    return keys[0]
+
+
+# ---- schema ---------------------------------------------------------------------------------
+
+
+def test_fixture_serialization_is_the_reference_rule(fixture_text, fixture):
+    assert sweep.serialize(fixture) == fixture_text
+
+
+def test_schema_keys_order_and_types(small_sweep, fixture):
+    _, doc = small_sweep
+    assert list(doc) == list(fixture)
+    env, fenv = doc["environment"], fixture["environment"]
+    backend = _backend_key(env)
+    assert [k if k != backend else "<backend>" for k in env] == [
+        k if k != "metal" else "<backend>" for k in fenv
+    ]
+    assert list(env[backend]) == list(fenv["metal"])
+    for key, value in env[backend].items():
+        # A backend may not report a key (then null); what it reports has the fixture's type.
+        assert value is None or type(value) is type(fenv["metal"][key]), key
+    assert isinstance(env["platform"], str) and isinstance(env["machine"], str)
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in env["versions"].items())
+    order = list(sweep.VERSION_PACKAGES)
+    assert [order.index(k) for k in env["versions"]] == sorted(
+        order.index(k) for k in env["versions"]
+    )
+    assert "mlx" in env["versions"] and "numpy" in env["versions"]
+    assert env["precision_environment"] == {
+        "MLX_ENABLE_TF32": "0",
+        "MLX_CONV_WINOGRAD": "0",
+    } or all(isinstance(v, str) for v in env["precision_environment"].values())
+    assert list(env["precision_environment"]) == list(fenv["precision_environment"])
+    for key in ("warmup", "repeats", "scope"):
+        assert type(doc[key]) is type(fixture[key])
+    assert (doc["warmup"], doc["repeats"]) == (2, 5)
+
+    ftrial = fixture["trials"][0]
+    for trial in doc["trials"]:
+        assert list(trial) == list(ftrial)
+        for key, value in trial.items():
+            assert type(value) is type(ftrial[key]), key
+        assert len(trial["tile"]) == 3 and all(type(v) is int for v in trial["tile"])
+        assert len(trial["samples_ms"]) == 5
+        assert all(type(v) is float for v in trial["samples_ms"])
+        assert trial["median_ms"] == sorted(trial["samples_ms"])[2]
+        assert trial["min_ms"] == min(trial["samples_ms"])
+        assert trial["max_ms"] == max(trial["samples_ms"])
+        assert (trial["operator"], trial["tokens"]) == ("gemm.k64_n32", 37)
+
+
+def test_baseline_trial_first(small_sweep):
+    _, doc = small_sweep
+    base = doc["trials"][0]
+    assert (base["tile"], base["simdgroups"], base["walk_m"]) == ([0, 0, 0], 0, 0)
+    assert (base["max_abs"], base["relative_rmse"], base["equal_fraction"]) == (0.0, 0.0, 1.0)
+
+
+def test_serialization_rules(small_sweep):
+    text, doc = small_sweep
+    assert "\n" not in text and not text.endswith(" ")
+    assert text == json.dumps(doc, indent=0).replace("\n", " ")
+    assert '"tile": [ 0, 0, 0 ]' in text
+    assert text.startswith('{ "environment": { "platform": ')
+
+
+def test_cpu_runs_baseline_only_and_says_why(tmp_path, capsys):
+    import mlx.core as mx
+
+    if mx.cuda.is_available():
+        pytest.skip("CUDA present: custom trials run (covered by test_gemm_cuda.py)")
+    out = tmp_path / "cpu.json"
+    assert (
+        main(
+            [
+                "sweep",
+                "--op",
+                "indexer.qk_proj",
+                "--tokens",
+                "5",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "need MLX with CUDA" in err and "baseline only" in err
+    doc = json.loads(out.read_text())
+    assert len(doc["trials"]) == 1
+    assert doc["trials"][0]["operator"] == "indexer.qk_proj"
+    assert "cpu" in doc["environment"] or "metal" in doc["environment"]
+
+
+def test_extra_block_comes_after_the_schema_keys(tmp_path):
+    out = tmp_path / "extra.json"
+    main(["sweep", "--shape", "64,32", "--tokens", "3", "--repeats", "1", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert list(doc)[:5] == ["environment", "warmup", "repeats", "scope", "trials"]
+    assert set(doc) - {"environment", "warmup", "repeats", "scope", "trials"} <= {"extra"}
+
+
+# ---- metrics --------------------------------------------------------------------------------
+
+
+def test_agreement_formulas_on_hand_made_arrays():
+    r = np.array([[1.0, -2.0], [0.5, 4.0]], dtype=np.float32)
+    c = np.array([[1.0, -2.0], [0.75, 3.0]], dtype=np.float32)
+    max_abs, rmse, equal = sweep.agreement(r, c)
+    assert max_abs == 1.0
+    expected = math.sqrt((0.25**2 + 1.0) / 4) / math.sqrt((1 + 4 + 0.25 + 16) / 4)
+    assert rmse == pytest.approx(expected, rel=1e-15)
+    assert equal == 0.5
+
+
+def test_agreement_identical_zero_reference_and_nan():
+    r = np.array([1.5, -3.0, 0.0], dtype=np.float32)
+    assert sweep.agreement(r, r.copy()) == (0.0, 0.0, 1.0)
+    zeros = np.zeros(4, dtype=np.float32)
+    out = np.array([0.0, 2.0, 0.0, 0.0], dtype=np.float32)
+    max_abs, rmse, equal = sweep.agreement(zeros, out)
+    assert (max_abs, rmse, equal) == (2.0, 1.0, 0.75)  # numerator alone: sqrt(4 / 4)
+    nan = np.array([np.nan, 1.0], dtype=np.float32)
+    max_abs, rmse, equal = sweep.agreement(nan, nan.copy())
+    assert equal == 0.5  # NaN is never equal
+    assert math.isnan(rmse)
+    with pytest.raises(ValueError, match="shapes differ"):
+        sweep.agreement(r, zeros)
+
+
+# ---- grid and rasterisation -----------------------------------------------------------------
+
+
+def test_default_grid_is_the_fixture_grid(fixture):
+    fixture_trials = [
+        (tuple(t["tile"]), t["simdgroups"], t["walk_m"]) for t in fixture["trials"][1:]
+    ]
+    ours = sweep.expand_grid(sweep.parse_tiles("default"), sweep.parse_walks("0,8"))
+    assert ours == fixture_trials
+    assert len(ours) == 28
+
+
+def test_every_default_configuration_plans_within_limits():
+    for tile, warps in sweep.DEFAULT_GRID:
+        for walk in sweep.DEFAULT_WALKS:
+            plan = plan_gemm(tile, warps, walk)
+            assert 1 <= plan.stages <= 4
+            assert plan.shared_memory <= MAX_DYNAMIC_SMEM
+            assert plan.family == ("mma" if warps < 4 else "wgmma"), (tile, warps)
+            assert [name for name, _ in plan.template()][:5] == [
+                "TM",
+                "TN",
+                "TK",
+                "WARPS",
+                "WALK_M",
+            ]
+    assert plan_gemm((32, 64, 128), 2).stages == 4
+    assert plan_gemm((128, 128, 256), 8).stages == 1  # 128 KiB per stage
+    assert plan_gemm((128, 128, 128), 4, family="mma").family == "mma"
+
+
+def test_plan_errors():
+    with pytest.raises(ValueError, match="TK must be a multiple of 64"):
+        plan_gemm((64, 64, 32), 4)
+    with pytest.raises(ValueError, match="warps"):
+        plan_gemm((64, 64, 64), 3)
+    with pytest.raises(ValueError, match="family"):
+        plan_gemm((64, 64, 64), 4, family="tensor")
+    with pytest.raises(NotImplementedError, match="shared memory"):
+        plan_gemm((256, 256, 256), 16)
+    with pytest.raises(NotImplementedError, match="stage"):
+        plan_gemm((128, 128, 128), 4, stages=4)
+    with pytest.raises(NotImplementedError, match="warp layout"):
+        plan_gemm((32, 64, 128), 2, family="wgmma")
+
+
+@pytest.mark.parametrize("walk", [0, 1, 3, 8])
+def test_rasterisation_is_a_permutation(walk):
+    for tiles_m in range(1, 13):
+        for tiles_n in range(1, 8):
+            seen = {tile_coords(p, tiles_m, tiles_n, walk) for p in range(tiles_m * tiles_n)}
+            assert seen == {(m, n) for m in range(tiles_m) for n in range(tiles_n)}, (
+                tiles_m,
+                tiles_n,
+            )
+
+
+def test_rasterisation_orders():
+    # walk 0 sweeps N first; walk G visits G M-tiles of one N-tile before moving on.
+    assert [tile_coords(p, 3, 2, 0) for p in range(6)] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+    ]
+    assert [tile_coords(p, 3, 2, 2) for p in range(6)] == [
+        (0, 0),
+        (1, 0),
+        (0, 1),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+    ]
+
+
+# ---- compare and CLI --------------------------------------------------------------------------
+
+
+def test_compare_fixture_with_itself(capsys):
+    assert main(["sweep", "--compare", str(FIXTURE), str(FIXTURE)]) == 0
+    out = capsys.readouterr().out
+    assert "Apple M5 Pro (metal)" in out
+    best = next(line for line in out.splitlines() if line.startswith("best custom"))
+    assert best.split()[2:] == ["[64,128,256]/4/8", "[64,128,256]/4/8"]
+    ratio = next(line for line in out.splitlines() if line.startswith("best / baseline median"))
+    assert ratio.split()[-2:] == ["1.0136", "1.0136"]
+    ratio_min = next(line for line in out.splitlines() if line.startswith("best / baseline min"))
+    assert ratio_min.split()[-1] == "1.0162" or ratio_min.split()[-1].startswith("1.01")
+    assert "28/28" in out
+    assert "[32,64,128]/2/0" in out and "3.6832" in out
+
+
+def test_summary_ratios(fixture):
+    s = sweep.summarize(fixture)
+    assert s["best"]["tile"] == [64, 128, 256] and s["best"]["walk_m"] == 8
+    assert s["best"]["median_ms"] / s["baseline"]["median_ms"] == pytest.approx(1.0136, abs=1e-4)
+    assert s["identical"] == 28
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--op", "attn.q_proj"], "invalid choice"),
+        (["--shape", "2560"], "--shape: expected K,N"),
+        (["--shape", "a,b"], "--shape: expected K,N"),
+        (["--shape", "0,64"], "must be >= 1"),
+        (["--op", "attn.o_proj", "--shape", "64,64"], "not allowed with"),
+        (["--tiles", "128x128/4"], "--tiles: expected"),
+        (["--tokens", "0"], ">= 1"),
+    ],
+    ids=[
+        "bad-op",
+        "shape-one-number",
+        "shape-not-int",
+        "shape-zero",
+        "op-and-shape",
+        "bad-tiles",
+        "zero-tokens",
+    ],
+)
+def test_cli_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["sweep", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parse_tiles():
+    assert sweep.parse_tiles("128x256x64/8, 64X64X128/4") == [
+        ((128, 256, 64), 8),
+        ((64, 64, 128), 4),
+    ]
+    assert sweep.parse_shape("2560,13312") == (2560, 13312)
+    assert sweep.parse_walks("0,8,16") == [0, 8, 16]
