@@ -4,10 +4,11 @@
 // q [1, H, S, D] bf16; keys, values [1, HKV, cap, D] bf16 read in place; slots [S, W] int32,
 // slot_valid [S, W] bool (invalid slots contribute nothing)
 // -> part_o [H * S, NSPLIT, D] float32, part_ml [H * S, NSPLIT, 2] float32 (head-major rows).
-// Template: D, G, TOK, S, HKV, W, NSPLIT, SCALE_BITS, NT.
+// Template: D, G, TOK, HKV, W, NSPLIT, SCALE_BITS, NT (S from q's shape).
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 __shared__ int tok_s[TOK];
 const int tid = threadIdx.x;
+const int S = q_shape[2];
 const int s = blockIdx.x % NSPLIT;
 const int rj = blockIdx.x / NSPLIT;
 const int j = rj % HKV, row = rj / HKV;

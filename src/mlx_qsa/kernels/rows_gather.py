@@ -98,7 +98,6 @@ def rows_gather_cuda(
             ("D", d),
             ("G", g),
             ("TOK", tok),
-            ("S", rows),
             ("HKV", n_kv),
             ("W", width),
             ("NSPLIT", nsplit),

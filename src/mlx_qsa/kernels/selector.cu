@@ -1,24 +1,28 @@
 //// kernel: score
 // Decode/short-row selector, pass 1: block scores and per-warp summaries (QSA.md §8.2).
 // index_q [S, HI, 128] bf16, pooled [1, cap, 128] bf16, pos [S] int32
-// -> adj [S, NPAD] float32 (only b < nb(row) written), summ [S, NPAD / 32, L] uint32: the L largest
-//    order keys of each 32-block chunk, descending (0 = no block).
-// One thread per block key, looping over the rows; grid NPAD threads of 128.
-// Template: HI, S, RATIO, NPAD, L.
+// -> adj [S, npad] float32 (only b < nb(row) written; npad = cap rounded up to 128),
+//    summ [S, npad / 32, L] uint32: the L largest order keys of each 32-block chunk, descending
+//    (0 = no block), nbs [S] int32: nb(row) = min((p + 1) / RATIO, cap).
+// One thread per block key, looping over the rows (S * HI <= 64); grid npad threads of 128.
+// Template: HI, RATIO, L.
 constexpr int DI = 128;
-__shared__ __align__(16) float qs[S * HI * DI];
-__shared__ int nbs[S];
+__shared__ __align__(16) float qs[64 * DI];
+__shared__ int nbs_s[64];
 const int tid = threadIdx.x;
+const int S = index_q_shape[0];
 const int cap = pooled_shape[1];
+const long long npad = ((long long)cap + 127) / 128 * 128;
 for (int i = tid; i < S * HI * DI; i += blockDim.x) qs[i] = qsa::bf_to_f(index_q[i]);
-if (tid < S) {
-  const int p = pos[tid];
+for (int r = tid; r < S; r += blockDim.x) {
+  const int p = pos[r];
   const int nb = p >= 0 ? (p + 1) / RATIO : 0;
-  nbs[tid] = nb < cap ? nb : cap;
+  nbs_s[r] = nb < cap ? nb : cap;
+  if (blockIdx.x == 0) nbs[r] = nbs_s[r];
 }
 __syncthreads();
 int maxnb = 0;
-for (int r = 0; r < S; ++r) maxnb = max(maxnb, nbs[r]);
+for (int r = 0; r < S; ++r) maxnb = max(maxnb, nbs_s[r]);
 const int b = blockIdx.x * blockDim.x + tid;
 if ((b & ~31) >= maxnb) return;  // whole warp past every row's blocks
 
@@ -33,7 +37,7 @@ if (b < maxnb) {
 }
 const int lane = tid & 31, chunk = b >> 5;
 for (int r = 0; r < S; ++r) {
-  const bool ok = b < nbs[r];
+  const bool ok = b < nbs_s[r];
   unsigned key = 0u;
   if (ok) {
     float acc[HI];
@@ -63,10 +67,10 @@ for (int r = 0; r < S; ++r) {
     for (int h = 1; h < HI; ++h) tot = __fadd_rn(tot, acc[h] > 0.f ? acc[h] : 0.f);
     const float score = __fdiv_rn(tot, 11.313708305358887f);
     const float a = __fsub_rn(score, __fmul_rn((float)b, 1e-12f));
-    adj[(long long)r * NPAD + b] = a;
+    adj[r * npad + b] = a;
     key = qsa::ord_key(a);
   }
-  unsigned* srow = summ + ((long long)r * (NPAD / 32) + chunk) * L;
+  unsigned* srow = summ + (r * (npad / 32) + chunk) * L;
 #pragma unroll
   for (int j = 0; j < L; ++j) {
     const unsigned m = __reduce_max_sync(qsa::FULL_MASK, key);
@@ -78,7 +82,7 @@ for (int r = 0; r < S; ++r) {
 
 //// kernel: topk
 // Decode/short-row selector, pass 2: exact top-K in the order (adj desc, id asc), one CTA per row.
-// adj, summ from pass 1, pos [S] int32
+// adj, summ, nbs from pass 1, pos [S] int32
 // -> ids [S, K] int32, valid [S, K] bool, scores [S, K] float32: selected ids ascending first,
 //    then empty slots (0, false, -inf); with QSA_ROW_TOKENS also slots / slot_valid
 //    [S, K * RATIO + RATIO] (RUNTIME.md §7 row tokens).
@@ -86,7 +90,7 @@ for (int r = 0; r < S; ++r) {
 // are real blocks), so {adj >= u} holds the whole selection; those candidates go to shared memory
 // and an exact radix select (value, then ~id for ties) runs there. Past CAP candidates the same
 // select streams every block from global memory instead (slow, exact).
-// Template: K, RATIO, NPAD, NPOOL, L, CAP, NT.
+// Template: K, RATIO, L, CAP, NT; dynamic shared memory CAP * 8 + 4 * (bitmap words).
 constexpr int NW = NT / 32;
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 unsigned* cand_key = reinterpret_cast<unsigned*>(qsa_dyn_smem);
@@ -99,11 +103,13 @@ __shared__ int cand_n;
 
 const int tid = threadIdx.x, lane = tid & 31;
 const int row = blockIdx.x;
+const long long npad = adj_shape[1];
 const int p = pos[row];
 const int nb_raw = p >= 0 ? (p + 1) / RATIO : 0;
-const int nb = nb_raw < NPOOL ? nb_raw : NPOOL;
-const float* adj_row = adj + (long long)row * NPAD;
-const unsigned* summ_row = summ + (long long)row * (NPAD / 32) * L;
+const int nb = nbs[row];
+(void)nb_raw;
+const float* adj_row = adj + row * npad;
+const unsigned* summ_row = summ + row * (npad / 32) * L;
 int* ids_row = ids + (long long)row * K;
 auto* valid_row = valid + (long long)row * K;
 float* sc_row = scores + (long long)row * K;

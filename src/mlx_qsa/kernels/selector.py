@@ -143,31 +143,34 @@ def select_blocks_cuda(
             f"{fn}: needs H_I <= 8 and S * H_I <= 64, got H_I={n_heads}, S={S}"
         )
     cap = pooled.shape[1]
+    if cap < 1:
+        raise ValueError(f"{fn}: pooled must hold at least one block row, got {list(pooled.shape)}")
     K = block_topk
     npad = -(-cap // 128) * 128
     score = _launch.build(
         "selector.cu",
         "score",
         ("index_q", "pooled", "pos"),
-        ("adj", "summ"),
+        ("adj", "summ", "nbs"),
         (),
         ensure_row_contiguous=True,
     )
-    adj, summ = score(
+    adj, summ, nbs = score(
         inputs=[index_q, pooled, pos],
-        template=[("HI", n_heads), ("S", S), ("RATIO", ratio), ("NPAD", npad), ("L", _L)],
+        template=[("HI", n_heads), ("RATIO", ratio), ("L", _L)],
         grid=(npad, 1, 1),
         threadgroup=(128, 1, 1),
-        output_shapes=[(S, npad), (S, npad // 32 * _L)],
-        output_dtypes=[mx.float32, mx.uint32],
+        output_shapes=[(S, npad), (S, npad // 32 * _L), (S,)],
+        output_dtypes=[mx.float32, mx.uint32, mx.int32],
     )
     rows = mode == "row_tokens"
     outputs = ("ids", "valid", "scores") + (("slots", "slot_valid") if rows else ())
-    smem = _CAP * 8 + (npad // 32) * 4
+    # One size class per bitmap bound, so the dynamic shared memory never changes under a name.
+    smem = _CAP * 8 + 4 * max(2048, npad // 32)
     topk = _launch.build(
         "selector.cu",
         "topk",
-        ("adj", "summ", "pos"),
+        ("adj", "summ", "nbs", "pos"),
         outputs,
         (mode,),
         shared_memory=smem,
@@ -181,16 +184,8 @@ def select_blocks_cuda(
         dtypes += [mx.int32, mx.bool_]
     return tuple(
         topk(
-            inputs=[adj, summ, pos],
-            template=[
-                ("K", K),
-                ("RATIO", ratio),
-                ("NPAD", npad),
-                ("NPOOL", cap),
-                ("L", _L),
-                ("CAP", _CAP),
-                ("NT", _NT_TOPK),
-            ],
+            inputs=[adj, summ, nbs, pos],
+            template=[("K", K), ("RATIO", ratio), ("L", _L), ("CAP", _CAP), ("NT", _NT_TOPK)],
             grid=(S * _NT_TOPK, 1, 1),
             threadgroup=(_NT_TOPK, 1, 1),
             output_shapes=shapes,
