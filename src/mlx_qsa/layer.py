@@ -207,18 +207,29 @@ class QSAAttention(nn.Module):
         return (mx.zeros((), x.dtype) * mx.zeros((), w.dtype)).dtype
 
     # -- projections -----------------------------------------------------------------------
-    def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
-        """q_proj / k_proj / v_proj outputs and, at level 4, the indexer's 640 columns."""
+    def _project(
+        self, x: mx.array, with_query: bool = True
+    ) -> tuple[mx.array | None, mx.array, mx.array, mx.array | None]:
+        """q_proj / k_proj / v_proj outputs and, at level 4, the indexer's 640 columns.
+
+        Without the query (state-only prefill) a fused matrix is applied without its query
+        rows; the GEMM is exact per output column, so the states keep their bits.
+        """
         cfg = self.config
         qw, kvw = cfg.q_proj_width, cfg.kv_proj_width
         if self.fused == 0:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x), None
-        if self.fused == 3:
-            u = self.qkv_proj(x)
-            return u[..., :qw], u[..., qw : qw + kvw], u[..., qw + kvw :], None
-        u = self.qkvi_proj(x)
+            q = self.q_proj(x) if with_query else None
+            return q, self.k_proj(x), self.v_proj(x), None
+        fused = self.qkv_proj if self.fused == 3 else self.qkvi_proj
+        if with_query:
+            u = fused(x)
+        else:
+            u = x @ fused.weight[qw:].T
+            qw = 0
+        q = u[..., :qw] if with_query else None
         e = qw + 2 * kvw
-        return u[..., :qw], u[..., qw : qw + kvw], u[..., qw + kvw : e], u[..., e:]
+        qk_rows = u[..., e:] if self.fused == 4 else None
+        return q, u[..., qw : qw + kvw], u[..., qw + kvw : e], qk_rows
 
     def _positions(self, P: int, T: int, vision: VisionState | None) -> mx.array:
         """Attention RoPE positions of rows [P, T): text `[S]` or MRoPE `[3, S]`."""
@@ -254,13 +265,14 @@ class QSAAttention(nn.Module):
         H, Hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         u = cache.staged()
 
-        q_lin, k_lin, v_lin, qk_rows = self._project(x)
+        q_lin, k_lin, v_lin, qk_rows = self._project(x, with_query=not state_only)
         pos = self._positions(P, T, vision)
         cos, sin = rope_tables(pos, cfg)
-        qg = q_lin.reshape(1, S, H, 2, d)
-        q = rms_norm(qg[..., 0, :], self.q_norm.weight, cfg.rms_norm_eps).transpose(0, 2, 1, 3)
-        gate = qg[..., 1, :]
-        q = apply_rope(q, cos, sin, cfg.rotary_dim)
+        if q_lin is not None:
+            qg = q_lin.reshape(1, S, H, 2, d)
+            q = rms_norm(qg[..., 0, :], self.q_norm.weight, cfg.rms_norm_eps)
+            q = apply_rope(q.transpose(0, 2, 1, 3), cos, sin, cfg.rotary_dim)
+            gate = qg[..., 1, :]
         k = rms_norm(k_lin.reshape(1, S, Hkv, d), self.k_norm.weight, cfg.rms_norm_eps)
         k = apply_rope(k.transpose(0, 2, 1, 3), cos, sin, cfg.rotary_dim)
         v = v_lin.reshape(1, S, Hkv, d).transpose(0, 2, 1, 3)
