@@ -1,4 +1,4 @@
-"""`mlx-qsa` command line: a thin argparse front over `trace`, `bench` and `sweep`.
+"""`mlx-qsa` command line: a thin argparse front over `trace` and `sweep`.
 
 Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`. Only the
 module of the chosen subcommand is imported (the sweep sets MLX variables before MLX loads).
@@ -12,7 +12,6 @@ import sys
 
 SUBCOMMANDS = {
     "trace": ("mlx_qsa.trace", "run the trace profiles and write records in the reference schema"),
-    "bench": ("mlx_qsa.bench", "time mlx-qsa against its peers"),
     "sweep": ("mlx_qsa.sweep", "GEMM tile sweep in the reference schema"),
 }
 
