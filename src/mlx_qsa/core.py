@@ -49,8 +49,13 @@ class CoreInputs:
     penalty: mx.array  # float32 [cap_pool]
 
 
-def _graph(key: plan.CompiledKey, g: IndexerGeometry, m: int) -> Callable:
-    """The traced function of one key; all structure comes from the key (Python constants)."""
+def _graph(
+    key: plan.CompiledKey, g: IndexerGeometry, m: int, on_trace: Callable[[], None]
+) -> Callable:
+    """The traced function of one key; all structure comes from the key (Python constants).
+
+    `on_trace` runs each time MLX traces the Python function (a retrace would show here).
+    """
     chunk, mode = key.selector_chunk_rows, key.mode
     hidden_source = key.source == "hidden"
 
@@ -70,6 +75,7 @@ def _graph(key: plan.CompiledKey, g: IndexerGeometry, m: int) -> Callable:
         win_start,
         penalty,
     ):
+        on_trace()
         z = source @ proj_w.T if hidden_source else source
         q_raw, k_raw = split_qk_rows(z, g)
         zero = mx.zeros(1, mx.int32)
@@ -108,6 +114,7 @@ class IndexerCore:
         self.geometry = geometry
         self.receipt = plan.CoreReceipt()
         self._graphs: dict[str, Callable] = {}
+        self.python_traces = 0  # times MLX traced a graph function (== entry_count if no retrace)
 
     @property
     def entry_count(self) -> int:
@@ -117,7 +124,7 @@ class IndexerCore:
         """Run the graph of `key`; returns (raw, pooled, *mode outputs)."""
         fn = self._graphs.get(key.label)
         if fn is None:
-            fn = mx.compile(_graph(key, self.geometry, m))
+            fn = mx.compile(_graph(key, self.geometry, m, self._count_trace))
         proj_w = inputs.proj_w if inputs.proj_w is not None else mx.zeros((1, 1), mx.bfloat16)
         out = fn(
             inputs.source,
@@ -139,6 +146,9 @@ class IndexerCore:
         self._graphs[key.label] = fn
         self.receipt.record(key, compiled=not compile_disabled())
         return tuple(out)
+
+    def _count_trace(self) -> None:
+        self.python_traces += 1
 
     def to_dict(self, prefill_workspace: int) -> dict:
         return self.receipt.to_dict(prefill_workspace)
