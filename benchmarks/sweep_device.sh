@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# GEMM tile sweep on the lent GPU, in one device call (after MLX's CUDA build is staged):
+#   source .device/part-b/activate.sh && bash benchmarks/sweep_device.sh
+# Runs the CUDA GEMM tests, then the sweeps, and writes everything under $OUT (or
+# /tmp/sweep-out): gpu.log (tests, sweep progress, comparison), the sweep JSON files and a tar of
+# MLX's PTX cache (carry it as .ptxcache/ptx-cache.tar.gz to skip NVRTC compiles next time; on
+# 2026-12-03 the cache directory stayed empty, so expect NVRTC compiles, about 1.5 s each).
+# SWEEP_SKIP_TESTS=1 skips the tests (when they already passed on this source in an earlier call).
+set -uo pipefail
+OUT="${OUT:-/tmp/sweep-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export MLX_PTX_CACHE_DIR="${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}"
+mkdir -p "$MLX_PTX_CACHE_DIR"
+if [ -f .ptxcache/ptx-cache.tar.gz ]; then tar -C "$MLX_PTX_CACHE_DIR" -xzf .ptxcache/ptx-cache.tar.gz; fi
+LOG="$OUT/gpu.log"
+FIXTURE=tests/data/qkv_tile_sweep_m5pro.json
+EXTRA_TILES="128x256x64/8,256x128x64/8,128x128x64/8,128x256x128/8,128x128x64/4,64x256x64/4"
+py() { python3 "$@"; }
+
+{
+  echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) $(hostname)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.limit \
+    --format=csv 2>&1
+  py -c "import mlx.core as mx; print('mlx', mx.__version__, mx.device_info(mx.gpu))"
+
+  if [ -z "${SWEEP_SKIP_TESTS:-}" ]; then
+    echo "== tests"
+    timeout 300 python3 -m pytest -o addopts= -q -rs tests/test_gemm_cuda.py tests/test_sweep.py 2>&1 | tail -60
+    echo "tests rc=${PIPESTATUS[0]}"
+  fi
+
+  echo "== sweep attn.qkv_proj, default grid"
+  timeout 150 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
+    --out "$OUT/qkv_tile_sweep_h200.json"
+  echo "sweep rc=$?"
+
+  echo "== sweep attn.qkv_proj, extra tiles"
+  timeout 80 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
+    --tiles "$EXTRA_TILES" --walk-m 8,16 --out "$OUT/qkv_tile_sweep_h200_extra.json"
+  echo "sweep rc=$?"
+
+  for op in attn.o_proj indexer.qk_proj; do
+    echo "== sweep $op"
+    timeout 45 python3 -m mlx_qsa sweep --op "$op" --tokens 4181 --warmup 2 --repeats 5 \
+      --tiles "$EXTRA_TILES,128x128x128/8,64x128x256/4,128x64x256/4" --walk-m 8 \
+      --out "$OUT/${op//./_}_tile_sweep_h200.json"
+    echo "sweep rc=$?"
+  done
+
+  tar -C "$MLX_PTX_CACHE_DIR" -czf "$OUT/ptx-cache.tar.gz" . 2>/dev/null
+
+  for f in "$OUT"/qkv_tile_sweep_h200.json "$OUT"/qkv_tile_sweep_h200_extra.json; do
+    [ -f "$f" ] || continue
+    echo "== compare $FIXTURE $f"
+    py -m mlx_qsa sweep --compare "$FIXTURE" "$f"
+  done
+} 2>&1 | tee "$LOG"
