@@ -187,6 +187,18 @@ class QSAAttention(nn.Module):
             )
         if cache.has_indexer != cfg.has_indexer:
             raise ValueError("cache: indexer presence differs from this layer's")
+        # A restored cache (from_state) carries no signature: check its arrays' geometry.
+        if cfg.has_indexer and cache.index_head_dim != cfg.indexer_head_dim:
+            raise ValueError(
+                f"cache: index head dim {cache.index_head_dim}, this layer has "
+                f"{cfg.indexer_head_dim}"
+            )
+        kv = (cfg.num_key_value_heads, cfg.head_dim)
+        if cache.keys is not None and (cache.keys.shape[1], cache.keys.shape[3]) != kv:
+            raise ValueError(
+                f"cache: K/V rows are [H_kv, d] = {[cache.keys.shape[1], cache.keys.shape[3]]}, "
+                f"this layer has {list(kv)}"
+            )
         if vision is not None and not isinstance(vision, VisionState):
             raise ValueError(f"vision: expected a VisionState or None, got {type(vision).__name__}")
         if cache.offset + x.shape[1] > cfg.max_position_embeddings:

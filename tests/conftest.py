@@ -1,0 +1,83 @@
+"""Shared test helpers: the per-dtype tolerance table and synthetic QSA layers.
+
+Synthetic weights follow RUNTIME.md §9.1 (HF names, norm weights in the stored plain form);
+`small` geometries reach the sparse regime at a few dozen tokens (budget 16, ratio 4).
+Test modules import these with `from conftest import ...` (tests/ is on sys.path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_qsa.config import QSAConfig
+
+# Relative Frobenius error of outputs / states against the float64 oracle (issue 3).
+TOLERANCES = {mx.bfloat16: 1e-2, mx.float32: 1e-4}
+
+
+def small_config(mrope: bool = True, **changes: Any) -> QSAConfig:
+    """hidden 32, 4 heads / 2 KV heads / head dim 32, d_r 16, indexer 2 × 16, budget 16."""
+    base: dict[str, Any] = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        partial_rotary_factor=0.5,
+        rope_theta=10_000.0,
+        mrope_section=(3, 3, 2) if mrope else None,
+        mrope_interleaved=mrope,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=16,
+        indexer_compress_ratio=4,
+    )
+    base.update(changes)
+    return QSAConfig(**base)
+
+
+def synthetic_weights(cfg: QSAConfig, dtype: mx.Dtype = mx.bfloat16, seed: int = 7) -> dict:
+    """HF-named weights (keys relative to `self_attn.`), RUNTIME §9.1 style, in `dtype`."""
+    D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    linears = {
+        "q_proj": (cfg.q_proj_width, D),
+        "k_proj": (cfg.kv_proj_width, D),
+        "v_proj": (cfg.kv_proj_width, D),
+        "o_proj": (D, H * d),
+    }
+    norms = {"q_norm": d, "k_norm": d}
+    if cfg.has_indexer:
+        linears["indexer.index_qk_proj"] = (cfg.index_proj_width, D)
+        norms["indexer.q_layernorm"] = cfg.indexer_head_dim
+        norms["indexer.k_layernorm"] = cfg.indexer_head_dim
+    w: dict[str, mx.array] = {}
+    for k, (name, shape) in enumerate(linears.items()):
+        a = np.random.default_rng([seed, k]).standard_normal(shape, np.float32)
+        w[f"{name}.weight"] = mx.array(a / np.sqrt(shape[1])).astype(dtype)
+        if cfg.attention_bias and not name.startswith("indexer"):
+            b = np.random.default_rng([seed, 9 + k]).standard_normal(shape[0], np.float32)
+            w[f"{name}.bias"] = mx.array(0.1 * b).astype(dtype)
+    for k, (name, n) in enumerate(norms.items()):
+        a = np.random.default_rng([seed, 4 + k]).standard_normal(n, np.float32)
+        w[f"{name}.weight"] = mx.array(1 + 0.1 * a).astype(dtype)
+    return w
+
+
+def hidden_rows(n: int, width: int, dtype: mx.Dtype = mx.bfloat16, seed: int = 11) -> mx.array:
+    """`[1, n, width]` standard-normal rows rounded to `dtype`."""
+    a = np.random.default_rng([seed, n, width]).standard_normal((1, n, width), np.float32)
+    return mx.array(a).astype(dtype)
+
+
+def as_f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+def rel_err(actual: mx.array | np.ndarray, expected: np.ndarray) -> float:
+    """Relative Frobenius error ‖a − e‖ / ‖e‖."""
+    a = as_f64(actual) if isinstance(actual, mx.array) else np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    return float(np.linalg.norm(a - e) / np.linalg.norm(e))

@@ -1,0 +1,904 @@
+"""QSAAttention against the float64 oracle, and the layer's bit-level invariants.
+
+Small geometries (budget 16, ratio 4: the first sparse query is position 19) reach every
+portable regime at a few dozen tokens; the trace geometry (hidden 64, 24 × 256 heads,
+budget 2048) covers the large-prefill consumers near T = 2051–2090.
+
+Outputs are compared with the oracle over the token sets the layer actually attended (the
+consumer is tested apart from the selection, RUNTIME §8); the selection itself is compared
+exactly with `oracle.select_blocks` fed the layer's own (bf16) index queries and block keys,
+and in float32 with the oracle's full-forward selection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import TOLERANCES, as_f64, hidden_rows, rel_err, small_config, synthetic_weights
+
+import mlx_qsa.layer as layer_mod
+from mlx_qsa import oracle
+from mlx_qsa.cache import QSACache
+from mlx_qsa.config import INDEXER_KEYS, QSAConfig, QSAOptions
+from mlx_qsa.indexer import IndexerGeometry, prepare_queries, split_qk_rows
+from mlx_qsa.layer import QSAAttention, VisionState
+from mlx_qsa.plan import Capabilities
+from mlx_qsa.rope import rope_tables, text_positions
+
+R = 4
+BF16, F32 = mx.bfloat16, mx.float32
+DTYPE_IDS = {BF16: "bf16", F32: "f32"}
+
+
+# -- building layers ---------------------------------------------------------------------
+
+
+def build(
+    cfg: QSAConfig,
+    dtype: mx.Dtype = BF16,
+    fused: int = 4,
+    options: QSAOptions | None = None,
+    caps: Capabilities | None = None,
+    seed: int = 7,
+) -> tuple[QSAAttention, dict]:
+    """A layer from HF-named synthetic weights; returns (layer, float64 HF weights)."""
+    w = synthetic_weights(cfg, dtype, seed)
+    layer = QSAAttention.from_hf(
+        cfg.to_dict(),
+        w,
+        fused=fused,
+        options=options or QSAOptions.trace(),
+        zero_centered_norms=False,
+        capabilities=caps,
+    )
+    return layer, {k: as_f64(v) for k, v in w.items()}
+
+
+def no_indexer(cfg: QSAConfig) -> QSAConfig:
+    return cfg.replace(**dict.fromkeys(INDEXER_KEYS))
+
+
+# -- observing what the layer attended ----------------------------------------------------
+
+
+@dataclass
+class Seen:
+    """One consumer dispatch: the plan's chain and sdpa mask, the selection, the rows."""
+
+    consumers: tuple[str, ...]
+    sdpa_mask: str
+    sel: object
+    positions: np.ndarray
+    T: int
+
+
+@pytest.fixture
+def spy(monkeypatch) -> list[Seen]:
+    """Record every consumer dispatch (selection in the formats of RUNTIME §7)."""
+    seen: list[Seen] = []
+    real = layer_mod.dispatch
+
+    def recording(cplan, q, keys, values, sel, positions, T, ratio, scale):
+        seen.append(Seen(cplan.consumers, cplan.sdpa_mask, sel, np.array(positions), T))
+        return real(cplan, q, keys, values, sel, positions, T, ratio, scale)
+
+    monkeypatch.setattr(layer_mod, "dispatch", recording)
+    return seen
+
+
+def attended(s: Seen) -> list[np.ndarray]:
+    """Per row, the sorted token positions the consumer attended."""
+    pos = s.positions
+    if s.consumers[0] == "sdpa" and s.sdpa_mask in ("none", "causal"):
+        return [np.arange(p + 1) for p in pos]
+    sel = s.sel
+    if sel.kind in ("blocks", "prefill_blocks"):
+        ids, valid = np.array(sel.ids), np.array(sel.valid)
+        blocks = [ids[i][valid[i]] for i in range(len(pos))]
+        toks = []
+        for b, p in zip(blocks, pos, strict=True):
+            tail = np.arange(R * ((p + 1) // R), p + 1)
+            toks.append(np.concatenate([(R * b[:, None] + np.arange(R)).ravel(), tail]))
+    elif sel.kind == "row_tokens":
+        slots, valid = np.array(sel.slots), np.array(sel.slot_valid)
+        toks = [slots[i][valid[i]] for i in range(len(pos))]
+    elif sel.kind == "token_list":
+        toks = [np.array(sel.slots)]
+    else:
+        mask = np.array(sel.mask)[0, 0]
+        toks = [np.nonzero(mask[i])[0] for i in range(len(pos))]
+    return [np.sort(t) for t in toks]
+
+
+def assert_selection_format(s: Seen, ref: list[np.ndarray], cfg: QSAConfig) -> None:
+    """The selection is exactly `ref` (blocks per row) in its RUNTIME §7 format."""
+    sel, pos, K = s.sel, s.positions, cfg.block_topk
+    if sel.kind in ("blocks", "prefill_blocks"):
+        ids, valid, scores = np.array(sel.ids), np.array(sel.valid), np.array(sel.scores)
+        assert ids.shape == valid.shape == scores.shape == (len(pos), K)
+        for i, b in enumerate(ref):
+            n = len(b)
+            np.testing.assert_array_equal(ids[i, :n], b, err_msg=f"row {pos[i]} ids")
+            assert (ids[i, n:] == 0).all() and valid[i, :n].all() and not valid[i, n:].any()
+            assert np.isfinite(scores[i, :n]).all() and (scores[i, n:] == -np.inf).all()
+        if sel.kind == "blocks":
+            assert sel.tail_start == R * (s.T // R)
+    elif sel.kind == "row_tokens":
+        slots, valid = oracle.row_token_slots(ref, pos, cfg)
+        np.testing.assert_array_equal(np.array(sel.slots), slots)
+        np.testing.assert_array_equal(np.array(sel.slot_valid), valid)
+    elif sel.kind == "token_list":
+        np.testing.assert_array_equal(np.array(sel.slots), oracle.token_sets(ref, pos, cfg)[0])
+    else:
+        assert sel.kind == "dense_mask", sel.kind
+        np.testing.assert_array_equal(
+            np.array(sel.mask)[0, 0], oracle.dense_mask(ref, pos, s.T, cfg)
+        )
+
+
+# -- running a sequence of calls ----------------------------------------------------------
+
+
+@dataclass
+class Call:
+    P: int
+    S: int
+    y: mx.array
+    seen: Seen
+    consumers: tuple[str, ...]
+    mode: str | None
+    compiled: bool
+    history: np.ndarray  # hidden rows of tokens [0, P + S) at the time of the call
+    index_q: np.ndarray | None  # the layer's index queries of the rows [S, H_I, d_I]
+    pooled: np.ndarray | None  # the layer's block keys [0, nb) after the call
+
+
+class Run:
+    """Feeds rows to a layer and a cache, keeping the logical token history."""
+
+    def __init__(self, layer: QSAAttention, spy: list[Seen], cache: QSACache | None = None):
+        self.layer, self.spy = layer, spy
+        self.cache = cache if cache is not None else layer.make_cache()
+        self.history = np.zeros((self.cache.offset, layer.config.hidden_size))
+        self.calls: list[Call] = []
+
+    def feed(self, x: mx.array, vision: VisionState | None = None) -> Call:
+        P, S = self.cache.offset, x.shape[1]
+        n_seen = len(self.spy)
+        y = self.layer(x, cache=self.cache, vision=vision)
+        mx.eval(y, *self.cache.state)
+        assert len(self.spy) == n_seen + 1
+        self.history = np.concatenate([self.history[:P], as_f64(x[0])])
+        info = self.layer.last_call
+        c = self.cache
+        call = Call(
+            P, S, y, self.spy[-1], info.consumers, info.mode, info.compiled, self.history,
+            layer_index_queries(self.layer, x, P) if self.layer.config.has_indexer else None,
+            as_f64(c.pooled[0, : c.pooled_len]) if c.pooled is not None else None,
+        )  # fmt: skip
+        self.calls.append(call)
+        return call
+
+    def feed_widths(self, x: mx.array, widths: tuple[int, ...]) -> list[Call]:
+        out, r0 = [], 0
+        for S in widths:
+            out.append(self.feed(x[:, r0 : r0 + S]))
+            r0 += S
+        return out
+
+    def trim(self, n: int) -> None:
+        assert self.cache.trim(n) == n
+        self.history = self.history[: self.cache.offset]
+
+
+def layer_index_queries(layer: QSAAttention, x: mx.array, P: int) -> np.ndarray:
+    """The rows' index queries as the layer forms them (bf16 or f32), `[S, H_I, d_I]`."""
+    cfg = layer.config
+    if layer.fused == 4:
+        e = cfg.q_proj_width + 2 * cfg.kv_proj_width
+        z = layer.qkvi_proj(x)[..., e:]
+    else:
+        z = layer.indexer.index_qk_proj(x)
+    g = IndexerGeometry.of(cfg)
+    q_raw, _ = split_qk_rows(z, g)
+    cos, sin = rope_tables(text_positions(P, P + x.shape[1]), cfg)
+    q = prepare_queries(q_raw, layer.indexer.q_layernorm.weight, cos, sin, g)
+    return as_f64(q[0].transpose(1, 0, 2))
+
+
+def check_call(
+    call: Call,
+    cfg: QSAConfig,
+    w: dict,
+    dtype: mx.Dtype,
+    positions: np.ndarray | None = None,
+    sparse_vision: bool = False,
+) -> oracle.OracleResult:
+    """Selection exact, attended tokens as the routing says, output within tolerance."""
+    T = call.P + call.S
+    index_pos = positions if sparse_vision else None
+    vision_dense = positions is not None and not sparse_vision
+    ref = oracle.forward(
+        w, cfg, call.history, call.P, positions, dense=vision_dense, index_positions=index_pos
+    )
+    qpos = np.arange(call.P, T)
+    np.testing.assert_array_equal(call.seen.positions, qpos)
+    tokens = attended(call.seen)
+    dense = call.mode in (None, "update_only") or vision_dense
+    if cfg.has_indexer and call.seen.sel.kind != "none":
+        if sparse_vision:
+            ref_blocks = ref.selected  # float32 only: no rounded states to feed
+        else:
+            ref_blocks = oracle.select_blocks(call.index_q, call.pooled, qpos, cfg)
+        assert_selection_format(call.seen, ref_blocks, cfg)
+        if dtype == F32:
+            for a, b in zip(ref_blocks, ref.selected, strict=True):
+                np.testing.assert_array_equal(a, b)
+        if not dense:
+            for t, e in zip(tokens, oracle.token_sets(ref_blocks, qpos, cfg), strict=True):
+                np.testing.assert_array_equal(t, np.sort(e))
+    if dense:
+        for t, p in zip(tokens, qpos, strict=True):
+            np.testing.assert_array_equal(t, np.arange(p + 1))
+    o = oracle.sparse_attention(ref.q, ref.k, ref.v, tokens, cfg)
+    expected = oracle.gate_and_project(o, ref.gate, w, cfg)
+    err = rel_err(call.y[0], expected)
+    assert err <= TOLERANCES[dtype], f"S{call.S}@{call.P} {call.consumers}: rel err {err:.3g}"
+    if dtype == F32:  # float32 selections equal the oracle's: compare with its own output
+        assert rel_err(call.y[0], ref.output) <= TOLERANCES[dtype]
+    return ref
+
+
+def check_states(
+    cache: QSACache, cfg: QSAConfig, w: dict, history: np.ndarray, dtype: mx.Dtype,
+    positions: np.ndarray | None = None,
+) -> None:  # fmt: skip
+    """The cache's logical rows against the oracle's K, V, raw keys and block keys."""
+    T = cache.offset
+    assert history.shape[0] == T
+    ref = oracle.forward(w, cfg, history, T - 1, positions)
+    tol = TOLERANCES[dtype]
+    assert rel_err(cache.keys[0, :, :T].transpose(1, 0, 2), ref.k) <= tol
+    assert rel_err(cache.values[0, :, :T].transpose(1, 0, 2), ref.v) <= tol
+    if cfg.has_indexer:
+        assert cache.pooled_len == T // R
+        assert rel_err(cache.raw_keys[0, :T], ref.index_k_raw) <= tol
+        if T >= R:
+            assert rel_err(cache.pooled[0, : T // R], ref.block_keys) <= tol
+    else:
+        assert cache.state_present == (False, False, False, True, True)
+        assert cache.pooled_len == 0
+    assert_mirror_invariant(cache)
+
+
+def assert_mirror_invariant(cache: QSACache) -> None:
+    """RUNTIME §2.3: the mirror, when present, is float32(pooled)ᵀ over the whole backing."""
+    if cache.pooled_f32_t is not None:
+        expect = cache.pooled.astype(F32).transpose(0, 2, 1)[None]
+        assert mx.array_equal(cache.pooled_f32_t, expect)
+
+
+def logical_states(cache: QSACache) -> dict[str, mx.array]:
+    T, nb = cache.offset, cache.pooled_len
+    out = {"keys": cache.keys[:, :, :T], "values": cache.values[:, :, :T]}
+    if cache.raw_keys is not None:
+        out["raw_keys"] = cache.raw_keys[:, :T]
+    if nb:
+        out["pooled"] = cache.pooled[:, :nb]
+    return out
+
+
+def assert_same_logical_states(a: QSACache, b: QSACache) -> None:
+    assert (a.offset, a.pooled_len) == (b.offset, b.pooled_len)
+    la, lb = logical_states(a), logical_states(b)
+    assert la.keys() == lb.keys()
+    for k in la:
+        assert la[k].dtype == lb[k].dtype, k
+        assert mx.array_equal(la[k], lb[k]), f"{k} differs"
+
+
+def tokens_equal(a: Seen, b: Seen) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(attended(a), attended(b), strict=True))
+
+
+# -- small geometries: regimes, chunking, decode, verify ----------------------------------
+
+SMALL = [
+    pytest.param(mrope, dtype, id=f"{'mrope' if mrope else 'rope1d'}-{DTYPE_IDS[dtype]}")
+    for mrope in (True, False)
+    for dtype in (BF16, F32)
+]
+
+
+@pytest.mark.parametrize("mrope, dtype", SMALL)
+def test_dense_regime_then_first_sparse_token(spy, mrope, dtype):
+    """p <= 18 is dense (nb <= K_b = 4); p = 19 is the first sparse query (QSA.md §8.3)."""
+    cfg = small_config(mrope)
+    layer, w = build(cfg, dtype)
+    run = Run(layer, spy)
+    x = hidden_rows(21, cfg.hidden_size, dtype, seed=101)
+    prefill = run.feed(x[:, :18])
+    decode_dense = run.feed(x[:, 18:19])
+    first_sparse = run.feed(x[:, 19:20])
+    second = run.feed(x[:, 20:21])
+    assert prefill.mode == decode_dense.mode == "update_only"
+    assert prefill.consumers == decode_dense.consumers == ("sdpa",)
+    assert (prefill.seen.sdpa_mask, decode_dense.seen.sdpa_mask) == ("causal", "none")
+    assert first_sparse.mode == second.mode == "blocks"
+    assert first_sparse.consumers == ("flash",) and first_sparse.compiled
+    for c in run.calls:
+        check_call(c, cfg, w, dtype)
+    # The first sparse query drops exactly one of its five complete blocks.
+    assert len(attended(first_sparse.seen)[0]) == 4 * R
+    check_states(run.cache, cfg, w, run.history, dtype)
+
+
+@pytest.mark.parametrize("mrope, dtype", SMALL)
+def test_chunked_prefill_matches_one_shot_and_oracle(spy, mrope, dtype):
+    """Uneven chunks 5, 3, 17, 1, 9 = one 35-row prefill: states bit-identical."""
+    cfg = small_config(mrope)
+    layer, w = build(cfg, dtype)
+    x = hidden_rows(35, cfg.hidden_size, dtype, seed=102)
+    chunked = Run(layer, spy)
+    chunked.feed_widths(x, (5, 3, 17, 1, 9))
+    assert [c.consumers for c in chunked.calls] == [("sdpa",)] * 3 + [("flash",), ("sdpa",)]
+    modes = ["update_only", "update_only", "dense_mask", "blocks", "dense_mask"]
+    assert [c.mode for c in chunked.calls] == modes
+    one_shot = Run(layer, spy)
+    whole = one_shot.feed(x)
+    assert whole.mode == "dense_mask" and not whole.compiled  # S >= 32: eager oracle path
+    assert_same_logical_states(chunked.cache, one_shot.cache)
+    for c in chunked.calls:
+        check_call(c, cfg, w, dtype)
+    check_call(whole, cfg, w, dtype)
+    # Rows attend the same tokens whichever call computed them.
+    rows_chunked = [t for c in chunked.calls for t in attended(c.seen)]
+    for a, b in zip(rows_chunked, attended(whole.seen), strict=True):
+        np.testing.assert_array_equal(a, b)
+    y = mx.concatenate([c.y for c in chunked.calls], axis=1)
+    assert rel_err(y[0], as_f64(whole.y[0])) <= TOLERANCES[dtype]
+    check_states(chunked.cache, cfg, w, chunked.history, dtype)
+
+
+@pytest.mark.parametrize("mrope, dtype", SMALL)
+def test_decode_steps_and_verifies(spy, mrope, dtype):
+    """Decode steps (tail lengths 0-3) and 2..8-row verifies in the sparse regime."""
+    cfg = small_config(mrope)
+    layer, w = build(cfg, dtype)
+    widths = (22, 1, 1, 1, 1, 2, 3, 4, 5, 6, 7, 8, 1)
+    x = hidden_rows(sum(widths), cfg.hidden_size, dtype, seed=103)
+    run = Run(layer, spy)
+    run.feed_widths(x, widths)
+    assert run.calls[0].consumers == ("sdpa",) and run.calls[0].mode == "dense_mask"
+    for c in run.calls[1:]:
+        want = ("flash",) if c.S == 1 else ("rows_gather",)
+        assert c.consumers == want and c.compiled, (c.S, c.P)
+    for c in run.calls:
+        check_call(c, cfg, w, dtype)
+    check_states(run.cache, cfg, w, run.history, dtype)
+
+
+def test_budget_32_first_sparse_token(spy):
+    """Budget 32 (K_b = 8): dense through p = 34, sparse from p = 35."""
+    cfg = small_config(True, indexer_budget=32)
+    layer, w = build(cfg, BF16)
+    run = Run(layer, spy)
+    x = hidden_rows(40, cfg.hidden_size, BF16, seed=104)
+    calls = run.feed_widths(x, (34, 1, 1, 4))
+    assert [c.mode for c in calls] == ["update_only", "update_only", "blocks", "row_tokens"]
+    assert [c.consumers for c in calls] == [("sdpa",), ("sdpa",), ("flash",), ("rows_gather",)]
+    for c in calls:
+        check_call(c, cfg, w, BF16)
+
+
+# -- every consumer -----------------------------------------------------------------------
+
+SMALL_CONSUMERS = [
+    # id, options changes, prefix rows, call rows, consumers, sdpa mask
+    ("sdpa-no-mask", {}, 10, 1, ("sdpa",), "none"),
+    ("sdpa-causal", {}, 6, 7, ("sdpa",), "causal"),
+    ("sdpa-dense-mask", {}, 21, 9, ("sdpa",), "dense_mask"),
+    ("sdpa-decode-dense-mask", {"flash": False}, 23, 1, ("sdpa",), "dense_mask"),
+    (
+        "sdpa-token-list",
+        {"gather_decode": True, "fused": False, "compiled": False, "flash": False},
+        25, 1, ("sdpa",), "token_list",
+    ),
+    ("flash", {}, 25, 1, ("flash",), ""),
+    ("rows-gather", {}, 23, 5, ("rows_gather",), ""),
+    ("rows-gather-eager-oracle", {"fused": False}, 23, 3, ("rows_gather",), ""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes, prefix, rows, consumers, mask",
+    [pytest.param(*c[1:], id=c[0]) for c in SMALL_CONSUMERS],
+)
+def test_small_consumer(spy, changes, prefix, rows, consumers, mask):
+    cfg = small_config(True)
+    layer, w = build(cfg, BF16, fused=0, options=QSAOptions.trace(**changes))
+    x = hidden_rows(prefix + rows, cfg.hidden_size, BF16, seed=105)
+    run = Run(layer, spy)
+    run.feed(x[:, :prefix])
+    call = run.feed(x[:, prefix:])
+    assert call.consumers == consumers and call.seen.sdpa_mask == mask
+    if mask == "token_list":
+        assert layer.last_call.counts == {"decode_gather": 1}
+    check_call(call, cfg, w, BF16)
+
+
+def test_consumers_agree_on_one_selection(spy):
+    """sdpa+mask, rows_gather and flash over the same selection give the same attention."""
+    cfg = small_config(True)
+    x = hidden_rows(24, cfg.hidden_size, BF16, seed=106)
+    outs = {}
+    for name, opts in (
+        ("flash", QSAOptions.trace()),
+        ("dense_mask", QSAOptions.trace(flash=False)),
+        ("token_list", QSAOptions.trace(fused=False, flash=False, gather_decode=True)),
+    ):
+        layer, _ = build(cfg, BF16, fused=0, options=opts)
+        run = Run(layer, spy)
+        run.feed(x[:, :23])
+        outs[name] = run.feed(x[:, 23:])
+    ref = outs["flash"]
+    for c in outs.values():
+        assert tokens_equal(c.seen, ref.seen)
+        assert rel_err(c.y[0], as_f64(ref.y[0])) <= TOLERANCES[BF16]
+
+
+@pytest.mark.parametrize(
+    "options, caps",
+    [
+        pytest.param(QSAOptions.trace(), None, id="compiled"),
+        pytest.param(QSAOptions.trace(compiled=False), None, id="eager-legacy"),
+        pytest.param(QSAOptions.trace(), Capabilities.portable(), id="portable-oracle"),
+    ],
+)
+def test_exact_ties_go_to_lower_block_ids(spy, options, caps):
+    """Identical block keys (rotary channels of k_layernorm zeroed, every token the same)
+    give bit-equal positive scores; `adj` cannot separate them in float32, so the top-k
+    must take the lowest ids (QSA.md §8.3)."""
+    cfg = small_config(True, indexer_head_dim=32)
+    w = synthetic_weights(cfg, BF16, seed=2)
+    kn = np.array(w["indexer.k_layernorm.weight"].astype(F32))
+    kn[: cfg.rotary_dim] = 0
+    w["indexer.k_layernorm.weight"] = mx.array(kn).astype(BF16)
+    layer = QSAAttention.from_hf(
+        cfg.to_dict(), w, fused=0, options=options, zero_centered_norms=False, capabilities=caps
+    )
+    x = mx.broadcast_to(hidden_rows(1, cfg.hidden_size, BF16, seed=302), (1, 38, cfg.hidden_size))
+    run = Run(layer, spy)
+    run.feed_widths(x, (24, 1, 4, 9))
+    for c in run.calls[1:]:
+        for p, t in zip(c.seen.positions, attended(c.seen), strict=True):
+            tail = np.arange(R * ((p + 1) // R), p + 1)
+            np.testing.assert_array_equal(t, np.concatenate([np.arange(16), tail]))
+        # The premise: bit-identical block keys and positive scores (zero scores would be
+        # separated by the b·1e-12 adjustment instead).
+        assert (c.pooled == c.pooled[0]).all()
+        assert (oracle.block_scores(c.index_q, c.pooled, cfg) > 0.1).all()
+
+
+# -- compiled vs eager, fusion levels -----------------------------------------------------
+
+WIDTHS = (5, 3, 17, 1, 9, 1, 4, 2, 1)
+
+
+def _run_widths(layer, spy, x, widths=WIDTHS) -> Run:
+    run = Run(layer, spy)
+    run.feed_widths(x, widths)
+    return run
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=DTYPE_IDS.get)
+def test_compiled_and_eager_agree(spy, dtype):
+    """compiled=False (legacy eager selector) and the portable profile (oracle scorer) give
+    the selections and logical states of the compiled core, bit for bit."""
+    cfg = small_config(True)
+    x = hidden_rows(sum(WIDTHS), cfg.hidden_size, dtype, seed=107)
+    compiled = _run_widths(build(cfg, dtype)[0], spy, x)
+    eager = _run_widths(build(cfg, dtype, options=QSAOptions.trace(compiled=False))[0], spy, x)
+    portable = _run_widths(build(cfg, dtype, caps=Capabilities.portable())[0], spy, x)
+    assert any(c.compiled for c in compiled.calls)
+    assert not any(c.compiled for c in eager.calls + portable.calls)
+    for other in (eager, portable):
+        assert_same_logical_states(compiled.cache, other.cache)
+        for a, b in zip(compiled.calls, other.calls, strict=True):
+            assert tokens_equal(a.seen, b.seen), (a.S, a.P)
+    # Same consumers on the legacy eager path: identical outputs too.
+    for a, b in zip(compiled.calls, eager.calls, strict=True):
+        assert a.consumers == b.consumers
+        assert mx.array_equal(a.y, b.y), (a.S, a.P)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=DTYPE_IDS.get)
+def test_fusion_levels_bit_identical(spy, dtype):
+    """fused 0 / 3 / 4 from the same HF weights: identical K, V, raw, pooled and outputs."""
+    cfg = small_config(True)
+    x = hidden_rows(sum(WIDTHS), cfg.hidden_size, dtype, seed=108)
+    runs = {}
+    for fused in (0, 3, 4):
+        layer, _ = build(cfg, dtype, fused=fused)
+        assert layer.fused == fused
+        runs[fused] = _run_widths(layer, spy, x)
+    for fused in (3, 4):
+        assert_same_logical_states(runs[0].cache, runs[fused].cache)
+        for a, b in zip(runs[0].calls, runs[fused].calls, strict=True):
+            assert a.consumers == b.consumers
+            assert mx.array_equal(a.y, b.y), (fused, a.S, a.P)
+
+
+# -- trims ---------------------------------------------------------------------------------
+
+TRIMS = [
+    # id, widths before, trim n, widths after (new tokens), fresh widths of the survivors
+    ("trim6-block-boundary", (5, 3, 17, 1, 4), 6, (2, 1, 5), (5, 3, 16)),
+    ("trim3-partial-block", (5, 3, 17, 1, 4), 3, (1, 4, 1), (27,)),
+    ("trim1-in-tail", (23, 4), 1, (1, 1), (26,)),
+    ("trim-back-to-dense", (22, 8), 13, (1, 7, 2), (17,)),
+    ("trim0", (21, 3), 0, (4,), (24,)),
+    ("trim-all", (9, 4), 13, (6, 1), ()),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("before, n, after, fresh", [pytest.param(*t[1:], id=t[0]) for t in TRIMS])
+def test_trim_then_reappend_equals_fresh_build(spy, before, n, after, fresh):
+    cfg = small_config(True)
+    layer, w = build(cfg, BF16)
+    xa = hidden_rows(sum(before), cfg.hidden_size, BF16, seed=109)
+    xb = hidden_rows(sum(after), cfg.hidden_size, BF16, seed=110)
+    run = _run_widths(layer, spy, xa, before)
+    run.trim(n)
+    keep = sum(before) - n
+    assert run.cache.offset == keep and run.cache.pooled_len == keep // R
+    regrown = run.feed_widths(xb, after)
+    ref = _run_widths(build(cfg, BF16)[0], spy, xa[:, :keep], fresh)
+    ref_calls = ref.feed_widths(xb, after)
+    assert_same_logical_states(run.cache, ref.cache)
+    for a, b in zip(regrown, ref_calls, strict=True):
+        assert a.consumers == b.consumers and tokens_equal(a.seen, b.seen)
+        assert mx.array_equal(a.y, b.y), (a.S, a.P)
+        check_call(a, cfg, w, BF16)
+    check_states(run.cache, cfg, w, run.history, BF16)
+
+
+# -- layer variants -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [0, 4], ids=["fused0", "fused4-forced-to-0"])
+def test_no_indexer_layer_is_dense_gated_gqa(spy, fused):
+    cfg = no_indexer(small_config(True))
+    layer, w = build(cfg, BF16, fused=fused)
+    assert layer.fused == 0 and not hasattr(layer, "indexer")
+    run = _run_widths(layer, spy, hidden_rows(33, cfg.hidden_size, BF16, seed=111), (3, 1, 4, 25))
+    for c in run.calls:
+        assert c.consumers == ("sdpa",) and c.mode is None and not c.compiled
+        check_call(c, cfg, w, BF16)
+    check_states(run.cache, cfg, w, run.history, BF16)
+    assert layer.core is None
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=DTYPE_IDS.get)
+def test_attention_bias_layer(spy, dtype):
+    cfg = small_config(True, attention_bias=True)
+    layer, w = build(cfg, dtype, fused=4)
+    assert layer.fused == 0 and layer.q_proj.bias is not None
+    run = _run_widths(layer, spy, hidden_rows(34, cfg.hidden_size, dtype, seed=112), (20, 1, 4, 9))
+    assert [c.consumers[0] for c in run.calls] == ["sdpa", "flash", "rows_gather", "sdpa"]
+    for c in run.calls:
+        check_call(c, cfg, w, dtype)
+    check_states(run.cache, cfg, w, run.history, dtype)
+
+
+def test_zero_centred_norms_fold_on_load():
+    """HF checkpoints store `w` of `(1 + w)`; from_hf folds it to the plain form."""
+    cfg = small_config(True)
+    plain = synthetic_weights(cfg, BF16, 7)
+    hf = {k: (v.astype(F32) - 1).astype(BF16) if "norm" in k else v for k, v in plain.items()}
+    a = QSAAttention.from_hf(cfg.to_dict(), hf, fused=0, zero_centered_norms=True)
+    b = QSAAttention.from_hf(cfg.to_dict(), plain, fused=0, zero_centered_norms=False)
+    x = hidden_rows(9, cfg.hidden_size, BF16, seed=113)
+    ya, yb = a(x), b(x)
+    assert rel_err(ya[0], as_f64(yb[0])) < 1e-2  # (v - 1) + 1 loses bf16 bits near 1
+    assert mx.array_equal(a.k_norm.weight, (1 + hf["k_norm.weight"].astype(F32)).astype(BF16))
+
+
+# -- vision ---------------------------------------------------------------------------------
+
+
+def vision_table(L: int = 64) -> VisionState:
+    t = np.arange(L, dtype=np.int32)
+    return VisionState(mx.array(np.stack([t, t // 8, t % 8])), 0)
+
+
+@pytest.mark.parametrize("mrope", [True, False], ids=["table", "no-axes"])
+def test_vision_state_gives_dense_causal_attention(spy, mrope):
+    """With a vision state the indexer still runs on text positions, attention is dense
+    causal; K differs from text only with MRoPE axes, raw/pooled/V never do (RUNTIME §1.3)."""
+    cfg = small_config(mrope)
+    layer, w = build(cfg, BF16)
+    vision = vision_table()
+    x = hidden_rows(33, cfg.hidden_size, BF16, seed=114)
+    widths = (21, 1, 4, 7)
+    text = _run_widths(layer, spy, x, widths)
+    vis = Run(layer, spy)
+    r0 = 0
+    for S in widths:
+        c = vis.feed(x[:, r0 : r0 + S], vision=vision)
+        r0 += S
+        assert c.consumers == ("sdpa",) and c.seen.sdpa_mask == ("none" if S == 1 else "causal")
+        assert c.mode == text.calls[len(vis.calls) - 1].mode  # same indexer routing
+    positions = np.array(vision.table[:, :33]) if mrope else None
+    for c in vis.calls:
+        check_call(c, cfg, w, BF16, positions=np.array(vision.table[:, : c.P + c.S]))
+    check_states(vis.cache, cfg, w, vis.history, BF16, positions)
+    lt, lv = logical_states(text.cache), logical_states(vis.cache)
+    for k in ("raw_keys", "pooled", "values"):
+        assert mx.array_equal(lt[k], lv[k]), k
+    # Tokens 0..7 have T = H = W only for t = 0; with MRoPE axes every other K row differs.
+    assert mx.array_equal(lt["keys"], lv["keys"]) != mrope
+    if mrope:
+        same_rows = mx.all(lt["keys"] == lv["keys"], axis=(0, 1, 3))
+        assert np.array(same_rows).tolist() == [t == 0 for t in range(33)]
+
+
+def test_vision_positions_past_the_table_use_delta(spy):
+    """A call inside [0, L) reads the table (the boundary T = L included); a call that is
+    not inside it uses position + delta on every axis (RUNTIME §1.3)."""
+    cfg = small_config(True)
+    layer, w = build(cfg, BF16)
+    t = np.arange(20, dtype=np.int32)
+    vision = VisionState(mx.array(np.stack([t, t // 8, t % 8])), 5)
+    x = hidden_rows(25, cfg.hidden_size, BF16, seed=116)
+    run = Run(layer, spy)
+    for r0, S in ((0, 20), (20, 4), (24, 1)):
+        run.feed(x[:, r0 : r0 + S], vision=vision)
+    text = np.arange(25)
+    positions = np.concatenate([np.stack([t, t // 8, t % 8]), np.stack([text[20:] + 5] * 3)], 1)
+    for c in run.calls:
+        check_call(c, cfg, w, BF16, positions=positions[:, : c.P + c.S])
+    check_states(run.cache, cfg, w, run.history, BF16, positions)
+
+
+def test_vision_sparse_opt_in_is_hf_exact(spy):
+    """vision_sparse=True: MRoPE positions in the indexer, selection consumed (float32)."""
+    cfg = small_config(True)
+    layer, w = build(cfg, F32, options=QSAOptions.trace(vision_sparse=True))
+    vision = vision_table()
+    x = hidden_rows(35, cfg.hidden_size, F32, seed=115)
+    run = Run(layer, spy)
+    r0 = 0
+    for S in (21, 1, 4, 9):
+        run.feed(x[:, r0 : r0 + S], vision=vision)
+        r0 += S
+    assert [c.consumers for c in run.calls] == [("sdpa",), ("flash",), ("rows_gather",), ("sdpa",)]
+    assert [c.seen.sdpa_mask for c in run.calls] == ["dense_mask", "", "", "dense_mask"]
+    for c in run.calls:
+        table = np.array(vision.table[:, : c.P + c.S])
+        check_call(c, cfg, w, F32, positions=table, sparse_vision=True)
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def snapshot(cache: QSACache) -> tuple:
+    return (cache.offset, cache.pooled_len, cache.state_present, tuple(cache.state))
+
+
+def assert_unchanged(cache: QSACache, snap: tuple) -> None:
+    offset, pooled_len, present, arrays = snap
+    assert (cache.offset, cache.pooled_len, cache.state_present) == (offset, pooled_len, present)
+    for a, b in zip(cache.state, arrays, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def warm_layer():
+    """A small bf16 layer with a 23-token cache (sparse regime)."""
+    cfg = small_config(True, max_position_embeddings=30)
+    layer, _ = build(cfg, BF16)
+    cache = layer.make_cache()
+    layer(hidden_rows(23, cfg.hidden_size, BF16, seed=116), cache=cache)
+    mx.eval(*cache.state)
+    return layer, cache
+
+
+BAD_X = [
+    ("x-2d", lambda D: mx.zeros((3, D), BF16), "^x: expected shape"),
+    ("x-batch-2", lambda D: mx.zeros((2, 3, D), BF16), "^x: expected shape"),
+    ("x-width", lambda D: mx.zeros((1, 3, D + 1), BF16), "^x: expected shape"),
+    ("x-zero-rows", lambda D: mx.zeros((1, 0, D), BF16), "^x: expected shape"),
+    ("x-int32", lambda D: mx.zeros((1, 3, D), mx.int32), "^x: expected dtype"),
+    ("x-bool", lambda D: mx.zeros((1, 3, D), mx.bool_), "^x: expected dtype"),
+    ("x-numpy", lambda D: np.zeros((1, 3, D), np.float32), "^x: expected an mx.array"),
+    ("x-float32-into-bf16-cache", lambda D: mx.zeros((1, 3, D), F32), "^x: dtype .*cache"),
+    ("positions-past-max", lambda D: mx.zeros((1, 8, D), BF16), "^x: .*max_position_embeddings"),
+]
+
+
+@pytest.mark.parametrize("make_x, name", [pytest.param(*b[1:], id=b[0]) for b in BAD_X])
+@pytest.mark.parametrize("entry", ["call", "prefill_state"])
+def test_bad_input_raises_and_leaves_cache_unchanged(warm_layer, make_x, name, entry):
+    layer, cache = warm_layer
+    snap = snapshot(cache)
+    x = make_x(layer.config.hidden_size)
+    fn = layer.prefill_state if entry == "prefill_state" else layer.__call__
+    with pytest.raises(ValueError, match=name):
+        fn(x, cache)
+    assert_unchanged(cache, snap)
+
+
+def test_positions_up_to_the_limit_are_accepted(warm_layer):
+    layer, cache = warm_layer
+    c = QSACache.from_state(cache.state, cache.meta_state)
+    layer(hidden_rows(7, layer.config.hidden_size, BF16, seed=117), cache=c)
+    assert c.offset == 30 == layer.config.max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def other_caches() -> list:
+    """Caches made for other geometries, by make_cache and restored from a saved state."""
+    out = []
+    for cfg in (
+        small_config(True, head_dim=64, partial_rotary_factor=0.25),
+        small_config(True, indexer_head_dim=32),
+        no_indexer(small_config(True)),
+    ):
+        other, _ = build(cfg, BF16)
+        c = other.make_cache()
+        other(hidden_rows(9, cfg.hidden_size, BF16, seed=118), cache=c)
+        out += [c, QSACache.from_state(c.state, c.meta_state)]
+    return out
+
+
+@pytest.mark.parametrize(
+    "index",
+    range(6),
+    ids=[
+        f"{g}-{how}"
+        for g in ("head-dim", "index-dim", "no-indexer")
+        for how in ("made", "restored")
+    ],
+)
+def test_cache_of_another_geometry_is_rejected(warm_layer, other_caches, index):
+    """Regression: a cache restored with `from_state` has no signature, and a mismatched
+    one used to fail deep inside sdpa (or index silently) instead of naming `cache`."""
+    layer, _ = warm_layer
+    cache = other_caches[index]
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match="cache"):
+        layer(hidden_rows(2, layer.config.hidden_size, BF16, seed=119), cache=cache)
+    assert_unchanged(cache, snap)
+
+
+@pytest.mark.parametrize(
+    "vision",
+    [mx.zeros((3, 64), mx.int32), (mx.zeros((3, 64), mx.int32), 0), "table"],
+    ids=["bare-array", "tuple", "string"],
+)
+def test_vision_must_be_a_vision_state(warm_layer, vision):
+    layer, cache = warm_layer
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match="vision"):
+        layer(hidden_rows(1, layer.config.hidden_size, BF16, seed=120), cache=cache, vision=vision)
+    assert_unchanged(cache, snap)
+
+
+def test_cache_must_be_a_qsa_cache(warm_layer):
+    layer, _ = warm_layer
+    with pytest.raises(ValueError, match="cache"):
+        layer(hidden_rows(1, layer.config.hidden_size, BF16, seed=121), cache={"offset": 0})
+
+
+@pytest.mark.parametrize(
+    "table",
+    [np.zeros((2, 8), np.int32), np.zeros((3, 8), np.float32), np.zeros(8, np.int32)],
+    ids=["two-axes", "float", "1d"],
+)
+def test_vision_state_validates_its_table(table):
+    with pytest.raises(ValueError, match="VisionState.table"):
+        VisionState(mx.array(table), 0)
+
+
+# -- trace geometry: hidden 64, 24 × 256 heads, budget 2048 --------------------------------
+
+TRACE_ROWS = 2090
+
+
+@pytest.fixture(scope="module")
+def trace_world():
+    """Weights, hidden rows, prefix states (2048 and 2051 tokens) at the trace geometry."""
+    cfg = QSAConfig(hidden_size=64)
+    w = synthetic_weights(cfg, BF16, 7)
+    w64 = {k: as_f64(v) for k, v in w.items()}
+    x = hidden_rows(TRACE_ROWS, 64, BF16, seed=200)
+    prefixes = {}
+    for n in (2048, 2051):
+        layer = QSAAttention.from_hf(cfg.to_dict(), w, fused=0, zero_centered_norms=False)
+        c = layer.make_cache()
+        layer.prefill_state(x[:, :n], c)
+        mx.eval(*c.state)
+        prefixes[n] = (c.state, c.meta_state)
+    return cfg, w, w64, x, prefixes
+
+
+def trace_run(world, spy, prefix: int, fused: int, options: QSAOptions) -> Run:
+    cfg, w, _, x, prefixes = world
+    layer = QSAAttention.from_hf(
+        cfg.to_dict(), w, fused=fused, options=options, zero_centered_norms=False
+    )
+    run = Run(layer, spy, QSACache.from_state(*prefixes[prefix]))
+    run.history = as_f64(x[0, :prefix])
+    return run
+
+
+def test_trace_prefix_states_one_shot_equal_fused_levels(trace_world):
+    """prefill_state of 2051 rows: identical states at fused 0/3/4; pooled_len 512."""
+    cfg, w, _, x, prefixes = trace_world
+    ref = QSACache.from_state(*prefixes[2051])
+    assert (ref.offset, ref.pooled_len) == (2051, 512)
+    assert [ref.capacity(n) for n in ("raw_keys", "pooled", "pooled_f32_t", "keys")] == [
+        2304, 512, 512, 2304,
+    ]  # fmt: skip
+    for fused in (3, 4):
+        layer = QSAAttention.from_hf(cfg.to_dict(), w, fused=fused, zero_centered_norms=False)
+        c = layer.make_cache()
+        layer.prefill_state(x[:, :2051], c)
+        assert all(mx.array_equal(a, b) for a, b in zip(c.state, ref.state, strict=True))
+
+
+def test_trace_dense_first_sparse_verify_trim_prefill_flash(spy, trace_world):
+    """Profile-2-like run: 1@2048 and 2@2049 dense, 1@2051 first sparse (flash),
+    4@2052 rows_gather, trim 2, 33@2054 prefill_flash; all against the oracle."""
+    cfg, _, w64, x, _ = trace_world
+    run = trace_run(trace_world, spy, 2048, 4, QSAOptions.trace(flash_min=2049))
+    plan = [(1, ("sdpa",), "update_only"), (2, ("sdpa",), "update_only"),
+            (1, ("flash",), "blocks"), (4, ("rows_gather",), "row_tokens")]  # fmt: skip
+    for S, consumers, mode in plan:
+        P = run.cache.offset
+        c = run.feed(x[:, P : P + S])
+        assert (c.consumers, c.mode) == (consumers, mode), (S, P)
+    run.trim(2)
+    c = run.feed(x[:, 2054:2087])
+    assert c.consumers == ("prefill_flash",) and not c.compiled
+    assert layer_counts(run) == {"metal_selector": 1, "flash_kernel": 1}
+    for c in run.calls:
+        check_call(c, cfg, w64, BF16)
+    assert run.cache.offset == 2087 and run.cache.pooled_len == 521
+
+
+def layer_counts(run: Run) -> dict:
+    return run.layer.last_call.counts
+
+
+@pytest.mark.parametrize(
+    "fused, options, consumers, counts",
+    [
+        pytest.param(
+            0, QSAOptions.trace(), ("prefill_gather", "rows_gather"),
+            {"metal_selector": 1, "gather_tier": 1}, id="prefill_gather",
+        ),
+        pytest.param(
+            3, QSAOptions.trace(prefill_gather=False), ("dense_mask", "sdpa"),
+            {"metal_selector": 1, "dense_fallback": 1}, id="dense_mask",
+        ),
+        pytest.param(
+            4, QSAOptions.trace(flash_min=2049), ("prefill_flash",),
+            {"metal_selector": 1, "flash_kernel": 1}, id="prefill_flash",
+        ),
+    ],
+)  # fmt: skip
+def test_trace_large_prefill_consumers(spy, trace_world, fused, options, consumers, counts):
+    """33@2051 (S >= 32, T >= 2049, nb > 512): prefill blocks to each large consumer."""
+    cfg, _, w64, x, _ = trace_world
+    run = trace_run(trace_world, spy, 2051, fused, options)
+    c = run.feed(x[:, 2051:2084])
+    assert c.consumers == consumers and c.mode == "prefill_blocks"
+    assert layer_counts(run) == counts
+    check_call(c, cfg, w64, BF16)
+    # Sparse rows really dropped blocks: row p sees 4·512 + (p + 1) % 4 tokens.
+    assert [len(t) for t in attended(c.seen)] == [2048 + (p + 1) % 4 for p in range(2051, 2084)]
