@@ -664,6 +664,31 @@ def test_vision_positions_past_the_table_use_delta(spy):
     check_states(run.cache, cfg, w, run.history, BF16, positions)
 
 
+def test_vision_sparse_block_keys_do_not_depend_on_the_path(spy):
+    """Regression: with vision_sparse, the compiled staging window (which may reach past the
+    table while the call does not) keyed block 0 at position + delta, the eager path at the
+    table's column, so compiled and eager pooled keys differed. Each block now takes its
+    first token's own position."""
+    cfg = small_config(True)
+    t = np.arange(6, dtype=np.int32)
+    vision = VisionState(mx.array(np.stack([t, t // 2, t % 2])), 3)
+    x = hidden_rows(12, cfg.hidden_size, BF16, seed=117)
+    runs = []
+    for compiled in (True, False):
+        layer, w = build(cfg, BF16, options=QSAOptions(vision_sparse=True, compiled=compiled))
+        run = Run(layer, spy)
+        for r0, S in ((0, 5), (5, 1), (6, 6)):
+            run.feed(x[:, r0 : r0 + S], vision=vision)
+        runs.append(run)
+    assert runs[0].calls[0].compiled and not runs[1].calls[0].compiled
+    assert_same_logical_states(runs[0].cache, runs[1].cache)
+    text = np.arange(12)
+    first = np.concatenate([np.stack([t, t // 2, t % 2]), np.stack([text[6:] + 3] * 3)], 1)
+    ref = oracle.forward(w, cfg, runs[0].history, 11, first, index_positions=first)
+    assert rel_err(runs[0].cache.pooled[0, :3], ref.block_keys) <= TOLERANCES[BF16]
+    assert rel_err(runs[0].cache.keys[0, :, :12].transpose(1, 0, 2), ref.k) <= TOLERANCES[BF16]
+
+
 def test_vision_sparse_opt_in_is_hf_exact(spy):
     """vision_sparse=True: MRoPE positions in the indexer, selection consumed (float32)."""
     cfg = small_config(True)

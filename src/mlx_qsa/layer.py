@@ -385,6 +385,18 @@ class QSAAttention(nn.Module):
             return _vision_positions(vision, start, stop, step)
         return text_positions(start, stop, step)
 
+    def _block_positions(
+        self, first_block: int, n_blocks: int, vision: VisionState | None
+    ) -> mx.array:
+        """RoPE positions of blocks' first tokens. With `vision_sparse` each block takes its
+        first token's own position, so its key does not depend on which call or staging
+        window pools it (eager pooling == compiled window pooling)."""
+        r = self._geometry.ratio
+        tokens = text_positions(first_block * r, (first_block + n_blocks) * r, r)
+        if vision is not None and self.options.vision_sparse and self.config.has_mrope_axes:
+            return _vision_token_positions(vision, tokens)
+        return tokens
+
     def _index_z(self, source: mx.array) -> mx.array:
         if self.fused == 4:
             return source
@@ -427,9 +439,7 @@ class QSAAttention(nn.Module):
         )
         start = plan.staging_window_start(nb, m, u.pooled_len, cap_raw, cap_pool, g.ratio)
         cos_r, sin_r = rope_tables(self._index_positions(P, T, 1, vision), cfg)
-        cos_w, sin_w = rope_tables(
-            self._index_positions(start * g.ratio, (start + m) * g.ratio, g.ratio, vision), cfg
-        )
+        cos_w, sin_w = rope_tables(self._block_positions(start, m, vision), cfg)
         inputs = CoreInputs(
             source=source,
             proj_w=None if self.fused == 4 else self.indexer.index_qk_proj.weight,
@@ -491,9 +501,7 @@ class QSAAttention(nn.Module):
 
         if nb > u.pooled_len:
             b0, n = u.pooled_len, nb - u.pooled_len
-            cos_b, sin_b = rope_tables(
-                self._index_positions(b0 * g.ratio, nb * g.ratio, g.ratio, vision), cfg
-            )
+            cos_b, sin_b = rope_tables(self._block_positions(b0, n, vision), cfg)
             blocks = pool_blocks(
                 u.raw_keys, b0, n, self.indexer.k_layernorm.weight, cos_b, sin_b, g
             )
@@ -572,6 +580,16 @@ class QSAAttention(nn.Module):
 
 def _mirror_of(pooled: mx.array) -> mx.array:
     return pooled.astype(mx.float32).transpose(0, 2, 1)[None]
+
+
+def _vision_token_positions(vision: VisionState, tokens: mx.array) -> mx.array:
+    """MRoPE positions `[3, n]` token by token: the table column inside it, else + delta."""
+    L = vision.table.shape[1]
+    shifted = mx.broadcast_to((tokens + vision.delta)[None, :], (3, tokens.shape[0]))
+    if L == 0:
+        return shifted
+    cols = mx.take(vision.table.astype(mx.int32), mx.minimum(tokens, L - 1), axis=1)
+    return mx.where((tokens < L)[None, :], cols, shifted)
 
 
 def _vision_positions(vision: VisionState, start: int, stop: int, step: int = 1) -> mx.array:
