@@ -622,6 +622,22 @@ def test_zero_centred_norms_fold_on_load():
     assert mx.array_equal(a.k_norm.weight, (1 + hf["k_norm.weight"].astype(F32)).astype(BF16))
 
 
+def test_from_hf_prefix_purity_and_bad_weights():
+    cfg = small_config(True)
+    w = synthetic_weights(cfg, BF16, 7)
+    before = {k: mx.array(v) for k, v in w.items()}
+    plain = QSAAttention.from_hf(cfg.to_dict(), w, fused=4)
+    prefixed = QSAAttention.from_hf(cfg.to_dict(), {f"self_attn.{k}": v for k, v in w.items()}, 4)
+    assert all(mx.array_equal(w[k], before[k]) for k in w)  # the input is not modified
+    x = hidden_rows(6, cfg.hidden_size, BF16, seed=125)
+    assert mx.array_equal(plain(x), prefixed(x))
+    missing = {k: v for k, v in w.items() if k != "k_proj.weight"}
+    with pytest.raises(ValueError, match=r"^weights: missing \['k_proj.weight'\]"):
+        QSAAttention.from_hf(cfg.to_dict(), missing)
+    with pytest.raises(ValueError, match=r"^weights\['q_proj.weight'\]: expected shape"):
+        QSAAttention.from_hf(cfg.to_dict(), {**w, "q_proj.weight": w["q_proj.weight"][1:]})
+
+
 # -- vision ---------------------------------------------------------------------------------
 
 
