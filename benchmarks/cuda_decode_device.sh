@@ -2,7 +2,10 @@
 # GPU machine only (after `source .device/part-b/activate.sh`): runs the CUDA decode-kernel tests,
 # then times the kernels with the method of PERFORMANCE.md §7 (warm-up, >= 8 rotated cache sets
 # whose total exceeds 2x L2, median of 7 samples with min/max) and prints a table.
-# Usage: bash benchmarks/cuda_decode_device.sh [--no-tests] [--no-bench]; results under $OUT.
+# Usage: bash benchmarks/cuda_decode_device.sh [--no-tests] [--no-bench] [--ncu]; results under $OUT.
+# Columns: 'step' = selection + attention with one mx.eval per step (host round trip included);
+# 'batch8' = 8 steps over 8 caches in one mx.eval, per step; --ncu adds per-kernel device times
+# (Nsight Compute, clocks untouched, L2 flushed before each kernel).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -11,10 +14,12 @@ OUT="${OUT:-/tmp/qsa-out}"
 mkdir -p "$OUT"
 run_tests=1
 run_bench=1
+run_ncu=0
 for a in "$@"; do
   case "$a" in
     --no-tests) run_tests=0 ;;
     --no-bench) run_bench=0 ;;
+    --ncu) run_ncu=1 ;;
   esac
 done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -39,6 +44,20 @@ N_ITER, N_SAMPLES = 20, 7
 
 def bucket(n):
     return max(256, 1 << max(0, (n - 1).bit_length()))
+
+
+def timeit_batch(step, n_sets, batch=8, n_iter=5, n_samples=N_SAMPLES):
+    for i in range(2):
+        mx.eval([step((i * batch + j) % n_sets) for j in range(batch)])
+    mx.synchronize()
+    samples = []
+    for s in range(n_samples):
+        t0 = time.perf_counter()
+        for i in range(n_iter):
+            mx.eval([step(((s * n_iter + i) * batch + j) % n_sets) for j in range(batch)])
+        mx.synchronize()
+        samples.append((time.perf_counter() - t0) / (n_iter * batch) * 1e6)
+    return statistics.median(samples), min(samples), max(samples)
 
 
 def timeit(step, n_sets, n_iter=N_ITER, n_samples=N_SAMPLES):
@@ -111,10 +130,11 @@ for ctx in [8192, 32768, 131072]:
                 return rows_gather_cuda(qs[i], k, v, r[3], r[4], scale=1 / 16)
 
         t_step = timeit(lambda i: attn(i, sel(i)), n_sets)
+        t_batch = timeit_batch(lambda i: attn(i, sel(i)), n_sets)
         t_sel = timeit(lambda i: sel(i)[0], n_sets)
         t_attn = timeit(attn, n_sets)
         floor_bytes = nb * 128 * 2 + rows * (4 * K + 3) * HKV * 2 * D * 2
-        rec = dict(ctx=ctx, rows=rows, step_us=t_step, select_us=t_sel, attn_us=t_attn,
+        rec = dict(ctx=ctx, rows=rows, step_us=t_step, batch8_us=t_batch, select_us=t_sel, attn_us=t_attn,
                    floor_bytes=floor_bytes, floor_us=floor_bytes / copy_bw * 1e6, n_sets=n_sets)
         if rows == 1:
             def port(i):
@@ -136,13 +156,73 @@ with open(os.path.join(out_dir, "cuda_decode_timing.json"), "w") as f:
     json.dump(meta, f, indent=1)
 print()
 print(f"device {meta['device']}  mlx {mx.__version__}  {meta['date']}  copy {copy_bw/1e12:.2f} TB/s")
-print(f"{'ctx':>7} {'rows':>4} | {'step us (median min max)':>23} | {'select us':>9} "
-      f"| {'attn us':>8} | {'floor us':>8} | {'x floor':>7} | {'portable':>10}")
+print(f"{'ctx':>7} {'rows':>4} | {'step us (median min max)':>23} | {'batch8':>7} | {'select us':>9} "
+      f"| {'attn us':>8} | {'floor us':>8} | {'b8/floor':>7} | {'portable':>10}")
 for r in results:
     m, lo, hi = r["step_us"]
     port = f"{r['portable_step_us'][0]:10.1f}" if "portable_step_us" in r else " " * 10
-    print(f"{r['ctx']:>7} {r['rows']:>4} | {m:7.1f} {lo:7.1f} {hi:7.1f} | {r['select_us'][0]:9.1f} "
-          f"| {r['attn_us'][0]:8.1f} | {r['floor_us']:8.2f} | {m / r['floor_us']:7.1f} | {port}")
+    print(f"{r['ctx']:>7} {r['rows']:>4} | {m:7.1f} {lo:7.1f} {hi:7.1f} | {r['batch8_us'][0]:7.1f} "
+          f"| {r['select_us'][0]:9.1f} "
+          f"| {r['attn_us'][0]:8.1f} | {r['floor_us']:8.2f} | {r['batch8_us'][0] / r['floor_us']:7.1f} "
+          f"| {port}")
 PY
+fi
+if [ "$run_ncu" = 1 ]; then
+  NDIR=/tmp/qsa-ncu; mkdir -p $NDIR
+  cat > "$NDIR/ncu_prof.py" <<'PY'
+import sys
+import mlx.core as mx
+from mlx_qsa.kernels.selector import select_blocks_cuda
+from mlx_qsa.kernels.flash_decode import flash_decode_cuda
+from mlx_qsa.kernels.rows_gather import rows_gather_cuda
+ctx, rows = int(sys.argv[1]), int(sys.argv[2])
+nb = ctx // 4
+cap_pool = max(256, 1 << (nb - 1).bit_length())
+cap_kv = -(-ctx // 256) * 256
+pooled = mx.random.normal((1, cap_pool, 128)).astype(mx.bfloat16)
+keys = mx.random.normal((1, 2, cap_kv, 256)).astype(mx.bfloat16)
+values = mx.random.normal((1, 2, cap_kv, 256)).astype(mx.bfloat16)
+iq = mx.random.normal((rows, 4, 128)).astype(mx.bfloat16)
+q = mx.random.normal((1, 24, rows, 256)).astype(mx.bfloat16)
+pos = mx.array([ctx - rows + i for i in range(rows)], dtype=mx.int32)
+tarr = mx.array([ctx], dtype=mx.int32)
+for _ in range(3):
+    if rows == 1:
+        ids, ok, sc = select_blocks_cuda(iq, pooled, pos)
+        out = flash_decode_cuda(q, keys, values, ids[0], ok[0], tarr, scale=1 / 16)
+    else:
+        r = select_blocks_cuda(iq, pooled, pos, mode="row_tokens")
+        out = rows_gather_cuda(q, keys, values, r[3], r[4], scale=1 / 16)
+    mx.eval(out)
+PY
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for cfg in "32768 1" "131072 1" "131072 4" "131072 8"; do
+    set -- $cfg
+    MLX_USE_CUDA_GRAPHS=0 timeout 120 "$NCU" --clock-control none --cache-control all -k regex:qsa_ \
+      --metrics gpu__time_duration.sum --csv python3 "$NDIR/ncu_prof.py" $1 $2 \
+      > "$NDIR/ncu_$1_$2.csv" 2> "$NDIR/ncu_$1_$2.err"
+    echo "ncu ctx $1 rows $2 rc $?" | tee -a "$OUT/ncu.txt"
+    tail -3 "$NDIR/ncu_$1_$2.err"
+    python3 - "$NDIR/ncu_$1_$2.csv" <<'PY' | tee -a "$OUT/ncu.txt"
+import csv, re, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows:
+    print("  no ncu rows"); sys.exit()
+hdr = rows[0]
+ki, vi, ui = hdr.index("Kernel Name"), hdr.index("Metric Value"), hdr.index("Metric Unit")
+acc = collections.defaultdict(list)
+for r in rows[1:]:
+    m = re.search(r"qsa_([a-z]+)_", r[ki])
+    v = float(r[vi].replace(",", ""))
+    v = v / 1000 if r[ui] == "nsecond" else v
+    acc[m.group(1) if m else r[ki][:30]].append(v)
+tot = 0.0
+for k, v in acc.items():
+    med = sorted(v)[len(v) // 2]
+    tot += med
+    print(f"  {k:8s} median {med:7.2f} us over {len(v)} launches")
+print(f"  sum of kernel medians {tot:.2f} us")
+PY
+  done
 fi
 exit $rc
