@@ -1,23 +1,29 @@
 """mlx-qsa: QSA (Qwen sparse attention) for MLX.
 
-Public names: the layer and its cache, configuration and options, capability profiles,
-weight conversion and the vision RoPE state.
+Public names are loaded lazily so that `mlx_qsa.cli` / `mlx_qsa.sweep` can set MLX's
+environment variables (e.g. MLX_ENABLE_TF32) before MLX itself is imported.
 """
 
-from .cache import QSACache
-from .config import QSAConfig, QSAOptions
-from .layer import CallInfo, QSAAttention, VisionState
-from .plan import Capabilities
-from .weights import sanitize
+from __future__ import annotations
 
-__all__ = [
-    "CallInfo",
-    "Capabilities",
-    "QSAAttention",
-    "QSACache",
-    "QSAConfig",
-    "QSAOptions",
-    "VisionState",
-    "sanitize",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CallInfo": "layer",
+    "Capabilities": "plan",
+    "QSAAttention": "layer",
+    "QSACache": "cache",
+    "QSAConfig": "config",
+    "QSAOptions": "config",
+    "VisionState": "layer",
+    "sanitize": "weights",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'mlx_qsa' has no attribute {name!r}")
