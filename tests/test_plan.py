@@ -685,3 +685,12 @@ def test_core_receipt_layout_matches_fixture() -> None:
     d = r.to_dict()
     assert list(d) == list(first)
     assert json.dumps(d) == json.dumps(first)  # same values and value types (1.0 stays a float)
+
+
+def test_native_capabilities_per_backend():
+    from mlx_qsa import plan
+
+    for backend in ("cpu", "metal", "cuda"):
+        assert plan.Capabilities.native(backend) == plan.Capabilities.portable()
+    with pytest.raises(ValueError, match="backend"):
+        plan.Capabilities.native("tpu")

@@ -151,6 +151,19 @@ class Capabilities:
         """No routine present: the pure-MLX oracle path."""
         return cls(**{f.name: False for f in dataclasses.fields(cls)})
 
+    @classmethod
+    def native(cls, backend: str) -> Capabilities:
+        """What a backend ("cpu", "metal", "cuda") natively offers today.
+
+        No backend ships a native routine yet (the CUDA kernels are not wired into routing),
+        so every backend is `portable`; `reference` stays the library and harness default.
+        """
+        if backend not in ("cpu", "metal", "cuda"):
+            raise ValueError(
+                f"Capabilities.native(backend): expected 'cpu', 'metal' or 'cuda', got {backend!r}"
+            )
+        return cls.portable()
+
     def effective_options(self, opts: QSAOptions) -> QSAOptions:
         """`opts` with fused/compiled/flash forced false where the capability is missing."""
         changes: dict[str, Any] = {}
