@@ -60,6 +60,19 @@ def timeit_batch(step, n_sets, batch=8, n_iter=5, n_samples=N_SAMPLES):
     return statistics.median(samples), min(samples), max(samples)
 
 
+def host_time(step, n_sets, n=40, n_samples=5):
+    """Python + graph building per step (no evaluation inside the timed region)."""
+    samples = []
+    for s in range(n_samples):
+        t0 = time.perf_counter()
+        outs = [step((s * n + i) % n_sets) for i in range(n)]
+        samples.append((time.perf_counter() - t0) / n * 1e6)
+        mx.eval(outs)
+        del outs
+    mx.synchronize()
+    return statistics.median(samples), min(samples), max(samples)
+
+
 def timeit(step, n_sets, n_iter=N_ITER, n_samples=N_SAMPLES):
     for i in range(3):
         mx.eval(step(i % n_sets))
@@ -131,10 +144,11 @@ for ctx in [8192, 32768, 131072]:
 
         t_step = timeit(lambda i: attn(i, sel(i)), n_sets)
         t_batch = timeit_batch(lambda i: attn(i, sel(i)), n_sets)
+        t_host = host_time(lambda i: attn(i, sel(i)), n_sets)
         t_sel = timeit(lambda i: sel(i)[0], n_sets)
         t_attn = timeit(attn, n_sets)
         floor_bytes = nb * 128 * 2 + rows * (4 * K + 3) * HKV * 2 * D * 2
-        rec = dict(ctx=ctx, rows=rows, step_us=t_step, batch8_us=t_batch, select_us=t_sel, attn_us=t_attn,
+        rec = dict(ctx=ctx, rows=rows, step_us=t_step, batch8_us=t_batch, host_us=t_host, select_us=t_sel, attn_us=t_attn,
                    floor_bytes=floor_bytes, floor_us=floor_bytes / copy_bw * 1e6, n_sets=n_sets)
         if rows == 1:
             def port(i):
@@ -156,13 +170,13 @@ with open(os.path.join(out_dir, "cuda_decode_timing.json"), "w") as f:
     json.dump(meta, f, indent=1)
 print()
 print(f"device {meta['device']}  mlx {mx.__version__}  {meta['date']}  copy {copy_bw/1e12:.2f} TB/s")
-print(f"{'ctx':>7} {'rows':>4} | {'step us (median min max)':>23} | {'batch8':>7} | {'select us':>9} "
+print(f"{'ctx':>7} {'rows':>4} | {'step us (median min max)':>23} | {'batch8':>7} | {'host':>6} | {'select us':>9} "
       f"| {'attn us':>8} | {'floor us':>8} | {'b8/floor':>7} | {'portable':>10}")
 for r in results:
     m, lo, hi = r["step_us"]
     port = f"{r['portable_step_us'][0]:10.1f}" if "portable_step_us" in r else " " * 10
     print(f"{r['ctx']:>7} {r['rows']:>4} | {m:7.1f} {lo:7.1f} {hi:7.1f} | {r['batch8_us'][0]:7.1f} "
-          f"| {r['select_us'][0]:9.1f} "
+          f"| {r['host_us'][0]:6.1f} | {r['select_us'][0]:9.1f} "
           f"| {r['attn_us'][0]:8.1f} | {r['floor_us']:8.2f} | {r['batch8_us'][0] / r['floor_us']:7.1f} "
           f"| {port}")
 PY
@@ -199,7 +213,7 @@ PY
   for cfg in "32768 1" "131072 1" "131072 4" "131072 8"; do
     set -- $cfg
     MLX_USE_CUDA_GRAPHS=0 timeout 120 "$NCU" --clock-control none --cache-control all -k regex:qsa_ \
-      --metrics gpu__time_duration.sum --csv python3 "$NDIR/ncu_prof.py" $1 $2 \
+      --metrics gpu__time_duration.sum,gpc__cycles_elapsed.max,gpc__cycles_elapsed.avg.per_second --csv python3 "$NDIR/ncu_prof.py" $1 $2 \
       > "$NDIR/ncu_$1_$2.csv" 2> "$NDIR/ncu_$1_$2.err"
     echo "ncu ctx $1 rows $2 rc $?" | tee -a "$OUT/ncu.txt"
     tail -3 "$NDIR/ncu_$1_$2.err"
@@ -209,19 +223,38 @@ rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 if not rows:
     print("  no ncu rows"); sys.exit()
 hdr = rows[0]
-ki, vi, ui = hdr.index("Kernel Name"), hdr.index("Metric Value"), hdr.index("Metric Unit")
-acc = collections.defaultdict(list)
+ii, ki = hdr.index("ID"), hdr.index("Kernel Name")
+ni, ui, vi = hdr.index("Metric Name"), hdr.index("Metric Unit"), hdr.index("Metric Value")
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+launch = collections.defaultdict(dict)
 for r in rows[1:]:
-    m = re.search(r"qsa_([a-z]+)_", r[ki])
     v = float(r[vi].replace(",", ""))
-    v = v / 1000 if r[ui] == "nsecond" else v
-    acc[m.group(1) if m else r[ki][:30]].append(v)
-tot = 0.0
-for k, v in acc.items():
-    med = sorted(v)[len(v) // 2]
-    tot += med
-    print(f"  {k:8s} median {med:7.2f} us over {len(v)} launches")
-print(f"  sum of kernel medians {tot:.2f} us")
+    d = launch[r[ii]]
+    m = re.search(r"qsa_([a-z]+)_", r[ki])
+    d["name"] = m.group(1) if m else r[ki][:30]
+    if r[ni] == "gpu__time_duration.sum":
+        d["us"] = v * scale.get(r[ui], float("nan"))
+    elif r[ni] == "gpc__cycles_elapsed.max":
+        d["cyc"] = v
+    else:
+        d["hz"] = v * {"hz": 1, "khz": 1e3, "mhz": 1e6, "ghz": 1e9}.get(r[ui].lower(), 1.0)
+acc = collections.defaultdict(list)
+for d in launch.values():
+    acc[d["name"]].append(d)
+def med(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+tot = tot_est = 0.0
+for k, ds in acc.items():
+    us = med([d.get("us", float("nan")) for d in ds])
+    cyc = med([d.get("cyc", float("nan")) for d in ds])
+    hz = med([d.get("hz", float("nan")) for d in ds])
+    est = cyc / 1980.0
+    tot += us
+    tot_est += est
+    print(f"  {k:8s} {us:8.2f} us  {cyc:9.0f} cycles at {hz / 1e6:7.1f} MHz -> {est:6.2f} us "
+          f"at 1980 MHz  ({len(ds)} launches)")
+print(f"  sum of medians {tot:.2f} us; at 1980 MHz {tot_est:.2f} us")
 PY
   done
 fi

@@ -304,11 +304,12 @@ __device__ void partial_attention(
 template <int D, int NSPLIT>
 __device__ void merge_splits(const float* o, const float* ml, int d, __nv_bfloat16* out) {
   float M = neg_inf();
-  for (int s = 0; s < NSPLIT; ++s) M = fmaxf(M, ml[2 * s]);
+#pragma unroll 16
+  for (int s = 0; s < NSPLIT; ++s) M = fmaxf(M, ml[2 * s]);  // independent loads in flight
   float res = 0.f;
   if (M != neg_inf()) {
     float L = 0.f, acc = 0.f;
-#pragma unroll 8
+#pragma unroll 16
     for (int s = 0; s < NSPLIT; ++s) {
       float m = ml[2 * s];
       float w = (m == neg_inf()) ? 0.f : expf(m - M);
