@@ -31,6 +31,7 @@ from .indexer import (
     split_qk_rows,
 )
 from .rope import apply_rope, rms_norm, rope_tables, text_positions
+from .sharding import check_cache, shard_layer
 
 FUSED_LEVELS = (0, 3, 4)
 _DTYPES = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
@@ -120,6 +121,7 @@ class QSAAttention(nn.Module):
         self._core: IndexerCore | None = None
         self.counters: dict[str, int] = dict.fromkeys(plan.LIBRARY_COUNTERS, 0)
         self.last_call: CallInfo | None = None
+        self.shard_layout = None  # set by shard(): this rank's heads (sharding.ShardLayout)
 
     # -- construction helpers ----------------------------------------------------------
     @classmethod
@@ -158,7 +160,19 @@ class QSAAttention(nn.Module):
 
     def _signature(self) -> tuple:
         c = self.config
-        return (c.num_key_value_heads, c.head_dim, c.indexer_head_dim, c.indexer_compress_ratio)
+        shard = self.shard_layout.key if self.shard_layout is not None else None
+        return (
+            c.num_key_value_heads,
+            c.head_dim,
+            c.indexer_head_dim,
+            c.indexer_compress_ratio,
+            shard,
+        )
+
+    def shard(self, group: mx.distributed.Group | None = None) -> None:
+        """Tensor-parallel split over `group` (default: the global group), in place, after
+        the weights are loaded (mlx-lm's convention; see `sharding.shard_layer`)."""
+        shard_layer(self, group)
 
     @property
     def core(self) -> IndexerCore | None:
@@ -180,6 +194,7 @@ class QSAAttention(nn.Module):
             raise ValueError(f"x: expected dtype bfloat16, float16 or float32, got {x.dtype}")
         if not isinstance(cache, QSACache):
             raise ValueError(f"cache: expected a QSACache, got {type(cache).__name__}")
+        check_cache(self, cache)
         if cache.signature is not None and cache.signature != self._signature():
             raise ValueError(
                 f"cache: made for a layer with geometry {cache.signature}, this "
