@@ -165,6 +165,7 @@ def check_case(case: str, group: mx.distributed.Group, out_dir: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     out_dir = Path(argv[0])
+    out_dir.mkdir(parents=True, exist_ok=True)
     cases = argv[1:] or list(CASES)
     group = mx.distributed.init(strict=True, backend="ring")
     results, ok = [], True
@@ -175,6 +176,16 @@ def main(argv: list[str]) -> int:
             ok = False
             results.append({"case": case, "rank": group.rank(), "error": traceback.format_exc()})
     (out_dir / f"rank{group.rank()}.json").write_text(json.dumps(results, indent=1))
+    for c in results:
+        if "error" in c:
+            print(f"rank {group.rank()}: {c['case']} FAILED\n{c['error']}", flush=True)
+        elif group.rank() == 0:
+            print(
+                f"{c['case']}: {c['size']} ranks, max rel err {c['max_rel_err']:.2e}, "
+                f"selections equal to unsharded, cache {c['nbytes']} of "
+                f"{c['nbytes_unsharded']} bytes per rank",
+                flush=True,
+            )
     # A final collective: every rank reaches it only after all its cases ran.
     mx.eval(mx.distributed.all_sum(mx.array([0 if ok else 1]), group=group))
     return 0 if ok else 1

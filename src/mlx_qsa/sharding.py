@@ -33,8 +33,8 @@ class ShardLayout:
     """Which heads one rank of an N-way group holds (global head ids).
 
     `kv_heads[j]` is the global KV head stored as local KV head j; local query head i reads
-    local KV head i // (len(heads) // len(kv_heads)). A KV head may appear twice only when
-    a rank's query heads straddle KV heads unevenly (see `plan_layout`).
+    local KV head i // (len(heads) // len(kv_heads)). A KV head is listed more than once only
+    when a rank's query heads straddle KV heads unevenly (see `plan_layout`).
     """
 
     size: int
