@@ -253,6 +253,8 @@ TRACE_OPTION_KEYS = (
     "tf32",
 )
 
+KERNEL_CHOICES = ("auto", "portable")
+
 _BOOL_OPTIONS = (
     "fused",
     "compiled",
@@ -306,8 +308,15 @@ class QSAOptions:
     flash_min: int = 32768
     prefill_gather: bool = True
     vision_sparse: bool = False
+    # Implementation choice, never a routing input: "auto" runs the CUDA kernels where MLX
+    # runs on an NVIDIA GPU and the kernel supports the shapes; "portable" forces portable MLX.
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(
+                f"QSAOptions.kernels: expected one of {KERNEL_CHOICES}, got {self.kernels!r}"
+            )
         for name in _BOOL_OPTIONS:
             v = getattr(self, name)
             if not isinstance(v, bool):

@@ -1,0 +1,20 @@
+"""CUDA kernels (``.cu`` sources beside their launchers) and the choice of implementation.
+
+Routing (plan.py) picks algorithms; this module only decides which implementation of an
+algorithm runs: the CUDA kernel on an NVIDIA GPU, the portable MLX code everywhere else.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def resolve_impl(kernels: str = "auto") -> str:
+    """"cuda" when `kernels == "auto"` and MLX's default device is a CUDA GPU, else "portable"."""
+    if kernels not in ("auto", "portable"):
+        raise ValueError(f"kernels: expected 'auto' or 'portable', got {kernels!r}")
+    if kernels == "portable":
+        return "portable"
+    if mx.default_device().type != mx.DeviceType.gpu or not mx.cuda.is_available():
+        return "portable"
+    return "cuda"
