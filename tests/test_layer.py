@@ -73,6 +73,7 @@ class Seen:
     sel: object
     positions: np.ndarray
     T: int
+    impl: str = "portable"
 
 
 @pytest.fixture
@@ -81,9 +82,9 @@ def spy(monkeypatch) -> list[Seen]:
     seen: list[Seen] = []
     real = layer_mod.dispatch
 
-    def recording(cplan, q, keys, values, sel, positions, T, ratio, scale):
-        seen.append(Seen(cplan.consumers, cplan.sdpa_mask, sel, np.array(positions), T))
-        return real(cplan, q, keys, values, sel, positions, T, ratio, scale)
+    def recording(cplan, q, keys, values, sel, positions, T, ratio, scale, impl="portable"):
+        seen.append(Seen(cplan.consumers, cplan.sdpa_mask, sel, np.array(positions), T, impl))
+        return real(cplan, q, keys, values, sel, positions, T, ratio, scale, impl)
 
     monkeypatch.setattr(layer_mod, "dispatch", recording)
     return seen

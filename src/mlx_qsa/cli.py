@@ -1,4 +1,4 @@
-"""`mlx-qsa` command line: a thin argparse front over `trace` and `sweep`.
+"""`mlx-qsa` command line: a thin argparse front over `trace`, `sweep` and `bench`.
 
 Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`. Only the
 module of the chosen subcommand is imported (the sweep sets MLX variables before MLX loads).
@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS = {
     "trace": ("mlx_qsa.trace", "run the trace profiles and write records in the reference schema"),
     "sweep": ("mlx_qsa.sweep", "GEMM tile sweep in the reference schema"),
+    "bench": ("mlx_qsa.bench", "decode / prefill timings of one layer beside its peers"),
 }
 
 

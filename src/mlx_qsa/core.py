@@ -50,7 +50,11 @@ class CoreInputs:
 
 
 def _graph(
-    key: plan.CompiledKey, g: IndexerGeometry, m: int, on_trace: Callable[[], None]
+    key: plan.CompiledKey,
+    g: IndexerGeometry,
+    m: int,
+    on_trace: Callable[[], None],
+    impl: str = "portable",
 ) -> Callable:
     """The traced function of one key; all structure comes from the key (Python constants).
 
@@ -94,7 +98,7 @@ def _graph(
         q = prepare_queries(q_raw, q_norm_w, cos_rows, sin_rows, g)
         keys_t = pooled[0].astype(mx.float32).T
         ids, valid, scores = select_rows(
-            q, keys_t, penalty, positions, g.ratio, g.block_topk, chunk
+            q, keys_t, penalty, positions, g.ratio, g.block_topk, chunk, pooled, impl
         )
         if mode in ("blocks", "prefill_blocks"):
             return raw, pooled, ids, valid, scores
@@ -113,18 +117,21 @@ class IndexerCore:
     def __init__(self, geometry: IndexerGeometry) -> None:
         self.geometry = geometry
         self.receipt = plan.CoreReceipt()
-        self._graphs: dict[str, Callable] = {}
+        self._graphs: dict[tuple[str, str], Callable] = {}
         self.python_traces = 0  # times MLX traced a graph function (== entry_count if no retrace)
 
     @property
     def entry_count(self) -> int:
         return len(self._graphs)
 
-    def dispatch(self, key: plan.CompiledKey, m: int, inputs: CoreInputs) -> tuple[mx.array, ...]:
-        """Run the graph of `key`; returns (raw, pooled, *mode outputs)."""
-        fn = self._graphs.get(key.label)
+    def dispatch(
+        self, key: plan.CompiledKey, m: int, inputs: CoreInputs, impl: str = "portable"
+    ) -> tuple[mx.array, ...]:
+        """Run the graph of `key` (`impl`: "portable" or "cuda" selector); returns
+        (raw, pooled, *mode outputs)."""
+        fn = self._graphs.get((key.label, impl))
         if fn is None:
-            fn = mx.compile(_graph(key, self.geometry, m, self._count_trace))
+            fn = mx.compile(_graph(key, self.geometry, m, self._count_trace, impl))
         proj_w = inputs.proj_w if inputs.proj_w is not None else mx.zeros((1, 1), mx.bfloat16)
         out = fn(
             inputs.source,
@@ -143,7 +150,7 @@ class IndexerCore:
             inputs.penalty,
         )
         # Account only once the graph has been built without error.
-        self._graphs[key.label] = fn
+        self._graphs[(key.label, impl)] = fn
         self.receipt.record(key, compiled=not compile_disabled())
         return tuple(out)
 

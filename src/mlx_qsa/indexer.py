@@ -171,12 +171,22 @@ def select_rows(
     ratio: int,
     k: int,
     chunk: int,
+    pooled: mx.array | None = None,
+    impl: str = "portable",
 ) -> tuple[mx.array, mx.array, mx.array]:
     """Score and select for every row, `chunk` query rows per pass (bounded score memory).
 
     q `[1, H_I, S, d_I]`, keys_t `[d_I, N]` float32, positions int32 `[S]`; returns the
-    `top_blocks` triple for all S rows.
+    `top_blocks` triple for all S rows. With `impl="cuda"` and the `pooled` backing
+    `[1, N, d_I]` (the bf16 rows keys_t mirrors), short calls run the CUDA selector, the one
+    score routine every path of that backend uses (RUNTIME.md §10.5).
     """
+    if impl == "cuda" and pooled is not None and cuda_selector_supports(q, pooled):
+        from .kernels.selector import select_blocks_cuda
+
+        return select_blocks_cuda(
+            q[0].transpose(1, 0, 2), pooled, positions, block_topk=k, ratio=ratio
+        )
     S = q.shape[2]
     nb_rows = (positions + 1) // ratio
     parts = []
@@ -188,6 +198,19 @@ def select_rows(
         return parts[0]
     ids, valid, scores = (mx.concatenate([p[i] for p in parts]) for i in range(3))
     return ids, valid, scores
+
+
+def cuda_selector_supports(q: mx.array, pooled: mx.array) -> bool:
+    """Shapes the CUDA selector kernel covers: bf16, d_I 128, H_I <= 8, S·H_I <= 64."""
+    _, n_heads, S, d_i = q.shape
+    return (
+        q.dtype == mx.bfloat16
+        and pooled.dtype == mx.bfloat16
+        and d_i == 128
+        and pooled.shape[2] == d_i
+        and n_heads <= 8
+        and S * n_heads <= 64
+    )
 
 
 @dataclass

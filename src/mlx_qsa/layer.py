@@ -30,6 +30,7 @@ from .indexer import (
     select_rows,
     split_qk_rows,
 )
+from .kernels import resolve_impl
 from .rope import apply_rope, rms_norm, rope_tables, text_positions
 from .sharding import check_cache, shard_layer
 
@@ -151,6 +152,12 @@ class QSAAttention(nn.Module):
             )
         )
         return layer
+
+    @property
+    def impl(self) -> str:
+        """Which implementation runs the selector and consumers: "cuda" or "portable"
+        (`options.kernels` and the default device decide; routing does not depend on it)."""
+        return resolve_impl(self.options.kernels)
 
     def make_cache(self) -> QSACache:
         cfg = self.config
@@ -349,6 +356,7 @@ class QSAAttention(nn.Module):
             T,
             cfg.indexer_compress_ratio or 4,
             cfg.scale,
+            self.impl,
         )
         o = o.transpose(0, 2, 1, 3)  # [1, S, H, d]
         o = (o * mx.sigmoid(gate)).reshape(1, S, H * d)
@@ -473,7 +481,7 @@ class QSAAttention(nn.Module):
         )
         if self._core is None:
             self._core = IndexerCore(g)
-        out = self._core.dispatch(key, m, inputs)
+        out = self._core.dispatch(key, m, inputs, self.impl)
         u.raw_keys, u.pooled = out[0], out[1]
         u.pooled_f32_t = None  # the graph rewrote `pooled` wholesale (RUNTIME §2.3 c)
         u.pooled_len = nb
@@ -548,7 +556,15 @@ class QSAAttention(nn.Module):
         positions = text_positions(P, T)
         chunk = self._eager_chunk(iplan, S, keys_t.shape[1], q.dtype, u.pooled.dtype)
         ids, valid, scores = select_rows(
-            q, keys_t, block_penalty(keys_t.shape[1]), positions, g.ratio, g.block_topk, chunk
+            q,
+            keys_t,
+            block_penalty(keys_t.shape[1]),
+            positions,
+            g.ratio,
+            g.block_topk,
+            chunk,
+            u.pooled,
+            self.impl,
         )
         kind = iplan.selection
         if kind in ("blocks", "prefill_blocks"):

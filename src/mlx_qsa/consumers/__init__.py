@@ -1,7 +1,8 @@
 """The six attention consumers (RUNTIME.md §8) and the dispatch of a consumer plan.
 
 Each consumer is one algorithm; `dispatch` runs what the plan chose, with the portable
-implementation here (CUDA kernels take over on NVIDIA GPUs where they exist).
+implementation here, or with `impl="cuda"` the CUDA kernel of the consumer where one exists
+and covers the shapes (flash, rows_gather); the plan itself never depends on `impl`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ __all__ = [
 ]
 
 
+def cuda_attention_supports(q: mx.array, keys: mx.array) -> bool:
+    """Shapes the CUDA flash / rows-gather kernels cover: bf16, head_dim 64/128/256,
+    at most 32 query heads per KV head (flash also needs the ratio to divide 32)."""
+    d = q.shape[-1]
+    return (
+        q.dtype == mx.bfloat16
+        and keys.dtype == mx.bfloat16
+        and d in (64, 128, 256)
+        and q.shape[1] % keys.shape[1] == 0
+        and q.shape[1] // keys.shape[1] <= 32
+    )
+
+
 def dispatch(
     cplan: plan.ConsumerPlan,
     q: mx.array,
@@ -36,9 +50,22 @@ def dispatch(
     T: int,
     ratio: int,
     scale: float,
+    impl: str = "portable",
 ) -> mx.array:
     """Attention output `[1, H, S, d]` of the consumer chain `cplan.consumers`."""
     first = cplan.consumers[0]
+    if impl == "cuda" and cuda_attention_supports(q, keys):
+        if first == "flash" and 32 % ratio == 0:
+            from ..kernels.flash_decode import flash_decode_cuda
+
+            t = mx.array([T], dtype=mx.int32)
+            return flash_decode_cuda(
+                q, keys, values, sel.ids[0], sel.valid[0], t, scale=scale, ratio=ratio
+            )
+        if first == "rows_gather":
+            from ..kernels.rows_gather import rows_gather_cuda
+
+            return rows_gather_cuda(q, keys, values, sel.slots, sel.slot_valid, scale=scale)
     if first == "sdpa":
         mask = cplan.sdpa_mask
         if mask == "token_list":

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 5 on the lent GPU, after MLX's CUDA build is staged (../shared/device/README.md):
+#   source .device/part-b/activate.sh && bash benchmarks/decode_device.sh tests|trace|bench|prefill
+# tests:   CUDA kernel and layer tests, the bench tests (GPU columns included)
+# trace:   `mlx-qsa trace` on the GPU, compared field by field with the M5 Pro fixture
+# bench:   `mlx-qsa bench decode` at the issue's contexts and rows (all peers, one process)
+# prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples)
+# Everything goes under $OUT.
+set -uo pipefail
+OUT="${OUT:-/tmp/qsa-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$OUT/when.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv \
+  | tee "$OUT/gpu.txt"
+rc=0
+for what in "$@"; do
+  case "$what" in
+    tests)
+      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+        tests/test_cuda_decode.py tests/test_cuda_layer.py tests/test_bench.py 2>&1 \
+        | tee "$OUT/tests.log" | tail -40
+      rc=$((rc | PIPESTATUS[0])) ;;
+    trace)
+      start=$(date +%s)
+      timeout 400 python3 -m mlx_qsa trace --out "$OUT/trace_gpu.jsonl" 2>&1 | tail -5
+      echo "trace wall $(( $(date +%s) - start )) s"
+      python3 - "$OUT/trace_gpu.jsonl" <<'PY' 2>&1 | tee "$OUT/trace_compare.txt"
+import json, sys
+from mlx_qsa import trace
+from mlx_qsa.profiles import NON_HASH_KEYS
+ours = [json.loads(l) for l in open(sys.argv[1]).read().split("\n")]
+ref = [json.loads(l) for l in open("tests/data/qsa_trace_m5pro.jsonl").read().split("\n")]
+bad = [f"{o['kernel']}.{k}" for o, r in zip(ours, ref) for k in NON_HASH_KEYS + ("frequencies",)
+       if json.dumps(o[k]) != json.dumps(r[k])]
+print(f"records {len(ours)} (fixture {len(ref)}); non-hash mismatches: {len(bad)}")
+for b in bad[:40]:
+    print("  ", b)
+print("hash-group failures:", trace.check_hash_groups(ours) or "none")
+PY
+      ;;
+    bench)
+      timeout 560 python3 -m mlx_qsa bench decode --out "$OUT/decode_h200.json" 2>&1 \
+        | tee "$OUT/decode_run.log"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    prefill)
+      timeout 560 python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 \
+        --out "$OUT/prefill_h200.json" 2>&1 | tee "$OUT/prefill_run.log"
+      rc=$((rc | PIPESTATUS[0])) ;;
+  esac
+done
+exit $rc

@@ -1,0 +1,676 @@
+"""`mlx-qsa bench decode|prefill`: one QSA layer timed beside its peers (PERFORMANCE.md §7).
+
+Every number of one JSON comes from one process on one device. Decode times, per context and
+row count, over >= 8 rotated buffer sets (so L2 does not hold the working set):
+- `qsa_cuda` / `qsa_portable`: selection (score + exact top-512) + attention through the
+  library's own routines (`indexer.select_rows`, `consumers.dispatch`) with the CUDA kernels
+  or the portable MLX code;
+- `qsa_cuda_layer` / `qsa_portable_layer`: the whole layer call (projections included);
+- `mlx_gather_sdpa`: MLX's `take` of the selected rows + `mx.fast.scaled_dot_product_attention`
+  (attention only, given the selection);
+- `mlx_dense_sdpa`: MLX's SDPA over the whole context; `torch_dense_sdpa`: torch's SDPA (flash
+  backend where it runs) over the whole context;
+- the bandwidth floor: the bytes a step must move (block keys, the union of the rows' selected
+  K/V, queries, outputs) over the device copy bandwidth measured in the same run.
+Each configuration is checked before it is timed: CUDA and portable selections bit-identical,
+outputs against a float64 reference over the same tokens.
+
+`--tp N` runs the layer sharded over `mx.distributed` (any backend; rank 0 reports): outputs are
+checked against the unsharded layer on every rank, and the `all_sum` of the output is timed alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from . import plan
+from .cache import QSACache
+from .config import QSAConfig, QSAOptions
+from .consumers import dispatch
+from .indexer import Selection, block_penalty, row_token_slots, select_rows
+from .layer import QSAAttention
+from .sweep import backend_name, environment
+
+DEFAULT_CONTEXTS = (8192, 32768, 131072, 262144)
+DEFAULT_ROWS = (1, 2, 4, 8)
+PREFILL_CONTEXTS = (8192, 32768, 131072)
+REL_TOL = 1e-2  # bf16 outputs against the float64 reference
+
+
+# ---- timing ---------------------------------------------------------------------------------
+
+
+def summary(samples_us: list[float]) -> dict[str, Any]:
+    return {
+        "median_us": statistics.median(samples_us),
+        "min_us": min(samples_us),
+        "max_us": max(samples_us),
+        "samples_us": samples_us,
+    }
+
+
+def time_mlx(
+    step: Callable[[int], Any], n_sets: int, warmup: int, repeats: int, sync_each: bool = True
+) -> dict[str, Any]:
+    """Median over `repeats` samples; a sample = one pass over the sets, time / steps.
+
+    `sync_each`: each step ends in `mx.eval` (host round trip included); otherwise steps are
+    queued with `mx.async_eval` and the sample ends in one `mx.synchronize`."""
+    for i in range(warmup * n_sets):
+        mx.eval(step(i % n_sets))
+    mx.synchronize()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(n_sets):
+            out = step(i)
+            mx.eval(out) if sync_each else mx.async_eval(out)
+        mx.synchronize()
+        samples.append((time.perf_counter() - t0) / n_sets * 1e6)
+    return summary(samples)
+
+
+def time_torch(step: Callable[[int], Any], n_sets: int, warmup: int, repeats: int) -> dict:
+    import torch
+
+    for i in range(warmup * n_sets):
+        step(i % n_sets)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for i in range(n_sets):
+            step(i)
+        t1.record()
+        torch.cuda.synchronize()
+        samples.append(t0.elapsed_time(t1) * 1e3 / n_sets)
+    return summary(samples)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:
+    """Device-to-device copy bandwidth (read + write bytes / time) of MLX, and torch's on CUDA."""
+    n = nbytes // 2
+    a = mx.zeros((n,), mx.bfloat16) + 1
+    mx.eval(a)
+    samples = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        mx.eval(a + 1)
+        mx.synchronize()
+        samples.append(time.perf_counter() - t0)
+    out: dict[str, Any] = {"bytes": 2 * n * 2, "mlx_gbps": 2 * n * 2 / min(samples[1:]) / 1e9}
+    del a
+    torch = _torch_cuda()
+    if torch is not None:
+        x = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+        y = torch.empty_like(x)
+        y.copy_(x)
+        torch.cuda.synchronize()
+        best = math.inf
+        for _ in range(repeats):
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            y.copy_(x)
+            t1.record()
+            torch.cuda.synchronize()
+            best = min(best, t0.elapsed_time(t1) / 1e3)
+        out["torch_gbps"] = 2 * n * 2 / best / 1e9
+        del x, y
+    out["gbps"] = max(v for k, v in out.items() if k.endswith("_gbps"))
+    return out
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+# ---- decode inputs ----------------------------------------------------------------------------
+
+
+class DecodeSet:
+    """One rotated buffer set: K/V backings, block keys, the rows' queries at context T."""
+
+    def __init__(self, cfg: QSAConfig, T: int, rows: int, seed: int) -> None:
+        H, Hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H_I, d_I, r = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.indexer_compress_ratio
+        key = mx.random.key(seed)
+        k1, k2, k3, k4, k5 = mx.random.split(key, 5)
+        cap = plan.roundup256(T)
+        bf = mx.bfloat16
+        self.T, self.rows = T, rows
+        self.keys = mx.random.normal((1, Hkv, cap, d), key=k1).astype(bf)
+        self.values = mx.random.normal((1, Hkv, cap, d), key=k2).astype(bf)
+        self.pooled = mx.random.normal((1, max(1, cap // r), d_I), key=k3).astype(bf)
+        self.q = mx.random.normal((1, H, rows, d), key=k4).astype(bf)
+        self.index_q = mx.random.normal((1, H_I, rows, d_I), key=k5).astype(bf)
+        self.positions = mx.arange(T - rows, T, dtype=mx.int32)
+        mx.eval(self.keys, self.values, self.pooled, self.q, self.index_q, self.positions)
+
+
+def qsa_step(cfg: QSAConfig, s: DecodeSet, impl: str) -> tuple[mx.array, Selection]:
+    """Selection + attention of the rows, as the layer runs them (RUNTIME.md §5–§8)."""
+    r, K = cfg.indexer_compress_ratio, cfg.block_topk
+    P = s.T - s.rows
+    keys_t = s.pooled[0].astype(mx.float32).T  # the portable scorer's operand (lazy)
+    ids, valid, scores = select_rows(
+        s.index_q,
+        keys_t,
+        block_penalty(keys_t.shape[1]),
+        s.positions,
+        r,
+        K,
+        s.rows,
+        s.pooled,
+        impl,
+    )
+    call = plan.CallShape(s.rows, P, r, K)
+    if s.rows == 1:
+        sel = Selection("blocks", ids=ids, valid=valid, scores=scores, tail_start=s.T // r * r)
+    else:
+        slots, slot_valid = row_token_slots(ids, valid, s.positions, r)
+        sel = Selection("row_tokens", ids=ids, valid=valid, slots=slots, slot_valid=slot_valid)
+    cplan = plan.plan_consumers(
+        QSAOptions(), plan.Capabilities.portable(), call, sel.kind, has_indexer=True
+    )
+    o = dispatch(cplan, s.q, s.keys, s.values, sel, s.positions, s.T, r, cfg.scale, impl)
+    return o, sel
+
+
+def token_lists(sel: Selection, positions: np.ndarray, ratio: int) -> list[np.ndarray]:
+    """Per row, the token positions the selection attends (blocks' tokens, then the tail)."""
+    ids, valid = np.array(sel.ids), np.array(sel.valid)
+    out = []
+    for i, p in enumerate(positions):
+        b = ids[i][valid[i]]
+        tail = np.arange(ratio * ((p + 1) // ratio), p + 1)
+        out.append(np.concatenate([(ratio * b[:, None] + np.arange(ratio)).ravel(), tail]))
+    return out
+
+
+def reference_attention(s: DecodeSet, tokens: list[np.ndarray], scale: float) -> np.ndarray:
+    """Float64 attention of each row over its tokens: `[H, S, d]`."""
+    q = np.array(s.q[0].astype(mx.float32), np.float64)  # [H, S, d]
+    H, S, d = q.shape
+    Hkv = s.keys.shape[1]
+    G = H // Hkv
+    out = np.zeros((H, S, d))
+    for i, tok in enumerate(tokens):
+        t = mx.array(tok.astype(np.int32))
+        k = np.array(mx.take(s.keys[0], t, axis=1).astype(mx.float32), np.float64)
+        v = np.array(mx.take(s.values[0], t, axis=1).astype(mx.float32), np.float64)
+        for h in range(H):
+            a = scale * (k[h // G] @ q[h, i])
+            p = np.exp(a - a.max())
+            out[h, i] = (p / p.sum()) @ v[h // G]
+    return out
+
+
+def rel_err(a: mx.array, ref: np.ndarray) -> float:
+    x = np.array(a.astype(mx.float32), np.float64).reshape(ref.shape)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def gather_inputs(tokens: list[np.ndarray]) -> tuple[mx.array, mx.array]:
+    """Token ids `[S, W]` (padded with 0) and their keep-mask `[S, 1, 1, W]`."""
+    W = max(len(t) for t in tokens)
+    ids = np.zeros((len(tokens), W), np.int32)
+    keep = np.zeros((len(tokens), W), bool)
+    for i, t in enumerate(tokens):
+        ids[i, : len(t)] = t
+        keep[i, : len(t)] = True
+    return mx.array(ids), mx.array(keep)[:, None, None, :]
+
+
+def mlx_gather_sdpa(s: DecodeSet, ids: mx.array, keep: mx.array, scale: float) -> mx.array:
+    """MLX built-ins: take the selected rows, then SDPA per row (rows as the batch)."""
+    S, W = ids.shape
+    Hkv, d = s.keys.shape[1], s.keys.shape[3]
+    k = mx.take(s.keys[0], ids.reshape(-1), axis=1).reshape(Hkv, S, W, d).transpose(1, 0, 2, 3)
+    v = mx.take(s.values[0], ids.reshape(-1), axis=1).reshape(Hkv, S, W, d).transpose(1, 0, 2, 3)
+    q = s.q[0].transpose(1, 0, 2)[:, :, None, :]  # [S, H, 1, d]
+    mask = None if bool(keep.all()) else keep
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def mlx_dense_sdpa(s: DecodeSet, scale: float) -> mx.array:
+    k, v = s.keys[:, :, : s.T], s.values[:, :, : s.T]
+    mask = None if s.rows == 1 else "causal"  # MLX aligns the causal mask to the last key
+    return mx.fast.scaled_dot_product_attention(s.q, k, v, scale=scale, mask=mask)
+
+
+def step_bytes(cfg: QSAConfig, s: DecodeSet, tokens: list[np.ndarray]) -> int:
+    """Minimum bytes of one step: block keys, union of selected K/V, queries in, output out."""
+    nb = s.T // cfg.indexer_compress_ratio
+    union = len(np.unique(np.concatenate(tokens)))
+    H, Hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    H_I, d_I = cfg.indexer_n_heads, cfg.indexer_head_dim
+    return 2 * (nb * d_I + union * Hkv * d * 2 + s.rows * (H_I * d_I + 2 * H * d))
+
+
+# ---- torch peer -------------------------------------------------------------------------------
+
+
+class TorchDense:
+    """torch's dense SDPA over the whole context, GQA without expanding K/V where possible."""
+
+    def __init__(self, cfg: QSAConfig, T: int, rows: int, n_sets: int, seed: int) -> None:
+        import torch
+
+        self.torch = torch
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        H, Hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bf = torch.bfloat16
+
+        def rnd(*shape):
+            return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(bf)
+
+        self.sets = [
+            (rnd(1, H, rows, d), rnd(1, Hkv, T, d), rnd(1, Hkv, T, d)) for _ in range(n_sets)
+        ]
+        self.scale = cfg.scale
+        self.backend, self.note = self._pick_backend()
+
+    def _call(self, i: int, backend) -> Any:
+        from torch.nn.attention import sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        q, k, v = self.sets[i]
+        with sdpa_kernel([backend]):
+            return sdpa(q, k, v, scale=self.scale, enable_gqa=True)
+
+    def _pick_backend(self) -> tuple[Any, str]:
+        from torch.nn.attention import SDPBackend
+
+        errors = []
+        for b in (
+            SDPBackend.FLASH_ATTENTION,
+            SDPBackend.CUDNN_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION,
+        ):
+            try:
+                self._call(0, b)
+                self.torch.cuda.synchronize()
+                return b, "; ".join(errors)
+            except Exception as e:  # noqa: BLE001 - a backend that does not take the shape
+                errors.append(f"{b.name}: {str(e).splitlines()[0][:120]}")
+        raise RuntimeError("torch SDPA: no backend ran: " + "; ".join(errors))
+
+    def step(self, i: int) -> Any:
+        return self._call(i, self.backend)
+
+    def output(self, i: int) -> np.ndarray:
+        return self.step(i).float().cpu().numpy().astype(np.float64)
+
+
+# ---- decode bench -------------------------------------------------------------------------------
+
+
+def random_cache(layer: QSAAttention, T: int, rows: int, seed: int) -> QSACache:
+    """A cache at offset T - rows with random states of its own (timing only; a cache that
+    shared its backings with other arrays would be copied, not updated in place, on append).
+
+    A sharded layer's cache holds its KV heads of the same random backings."""
+    cfg = layer.config
+    layout = layer.shard_layout
+    full_kv = getattr(layer, "full_config", cfg).num_key_value_heads
+    heads = list(layout.kv_heads) if layout is not None else list(range(full_kv))
+    r, d_I, d = cfg.indexer_compress_ratio, cfg.indexer_head_dim, cfg.head_dim
+    cap = plan.roundup256(T)
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(seed), 4)
+    bf = mx.bfloat16
+    c = layer.make_cache()
+    kv = mx.array(heads, dtype=mx.int32)
+    c.keys = mx.take(mx.random.normal((1, full_kv, cap, d), key=k1).astype(bf), kv, axis=1)
+    c.values = mx.take(mx.random.normal((1, full_kv, cap, d), key=k2).astype(bf), kv, axis=1)
+    c.raw_keys = mx.random.normal((1, cap, d_I), key=k3).astype(bf)
+    c.pooled = mx.random.normal((1, max(1, cap // r), d_I), key=k4).astype(bf)
+    P = T - rows
+    c.offset, c.pooled_len = P, P // r
+    mx.eval(c.keys, c.values, c.raw_keys, c.pooled)
+    return c
+
+
+def layer_rows(cfg: QSAConfig, rows: int, seed: int) -> mx.array:
+    x = mx.random.normal((1, rows, cfg.hidden_size), key=mx.random.key(seed))
+    return (x * 0.5).astype(mx.bfloat16)
+
+
+def bench_decode_point(
+    cfg: QSAConfig, T: int, rows: int, args: argparse.Namespace, impls: tuple[str, ...],
+    layers: dict[str, QSAAttention], bandwidth_gbps: float,
+) -> dict[str, Any]:  # fmt: skip
+    n, warm, reps = args.sets, args.warmup, args.repeats
+    sets = [DecodeSet(cfg, T, rows, seed=1000 * T + 10 * rows + i) for i in range(n)]
+    rec: dict[str, Any] = {"context": T, "rows": rows, "sets": n, "timings": {}, "checks": {}}
+    scale = cfg.scale
+    # correctness first (set 0): selections, outputs against float64 over the same tokens
+    outs = {impl: qsa_step(cfg, sets[0], impl) for impl in impls}
+    base_sel = outs["portable"][1]
+    pos = np.array(sets[0].positions)
+    tokens = token_lists(base_sel, pos, cfg.indexer_compress_ratio)
+    ref = reference_attention(sets[0], tokens, scale)
+    for impl, (o, sel) in outs.items():
+        same = all(
+            np.array_equal(np.array(getattr(sel, f)), np.array(getattr(base_sel, f)))
+            for f in ("ids", "valid")
+        )
+        rec["checks"][f"qsa_{impl}"] = {"rel_err": rel_err(o[0], ref), "selection_equal": same}
+    ids, keep = gather_inputs(tokens)
+    g = mlx_gather_sdpa(sets[0], ids, keep, scale)
+    rec["checks"]["mlx_gather_sdpa"] = {"rel_err": rel_err(g.transpose(1, 0, 2, 3)[:, :, 0], ref)}
+    floor_bytes = step_bytes(cfg, sets[0], tokens)
+    rec["floor"] = {"bytes": floor_bytes, "us": floor_bytes / (bandwidth_gbps * 1e3)}
+
+    gathers = []
+    for s in sets:
+        sel = qsa_step(cfg, s, "portable")[1]
+        gathers.append(gather_inputs(token_lists(sel, np.array(s.positions), 4)))
+    t = rec["timings"]
+    for impl in impls:
+        t[f"qsa_{impl}"] = time_mlx(
+            lambda i, impl=impl: qsa_step(cfg, sets[i], impl)[0], n, warm, reps
+        )
+        t[f"qsa_{impl}_async"] = time_mlx(
+            lambda i, impl=impl: qsa_step(cfg, sets[i], impl)[0], n, warm, reps, sync_each=False
+        )
+    t["mlx_gather_sdpa"] = time_mlx(
+        lambda i: mlx_gather_sdpa(sets[i], *gathers[i], scale), n, warm, reps
+    )
+    t["mlx_dense_sdpa"] = time_mlx(lambda i: mlx_dense_sdpa(sets[i], scale), n, warm, reps)
+    if layers:
+        caches = [random_cache(next(iter(layers.values())), T, rows, seed=i) for i in range(n)]
+        xs = [layer_rows(cfg, rows, seed=i) for i in range(n)]
+        for impl, layer in layers.items():
+
+            def layer_step(i: int, layer=layer) -> mx.array:
+                y = layer(xs[i], cache=caches[i])
+                caches[i].trim(rows)  # back to T - rows: every step sees context T
+                return y
+
+            t[f"qsa_{impl}_layer"] = time_mlx(layer_step, n, warm, reps)
+            t[f"qsa_{impl}_layer"]["consumers"] = list(layer.last_call.consumers)
+    torch = _torch_cuda() if not args.no_torch else None
+    if torch is not None:
+        peer = TorchDense(cfg, T, rows, n, seed=T + rows)
+        t["torch_dense_sdpa"] = time_torch(peer.step, n, warm, reps)
+        t["torch_dense_sdpa"]["backend"] = peer.backend.name
+        if peer.note:
+            t["torch_dense_sdpa"]["note"] = peer.note
+        if rows > 1:
+            t["torch_dense_sdpa"]["mask"] = "none (the rows see the whole context)"
+        del peer
+    else:
+        rec["skipped"] = {"torch_dense_sdpa": "torch with CUDA is not importable here"}
+    return rec
+
+
+def ratios(rec: dict[str, Any]) -> dict[str, float]:
+    """Peer median / ours (> 1: ours faster), and ours over the floor."""
+    t = rec["timings"]
+    ours = "qsa_cuda" if "qsa_cuda" in t else "qsa_portable"
+    m = t[ours]["median_us"]
+    out = {f"{k}/{ours}": v["median_us"] / m for k, v in t.items() if k != ours}
+    out[f"{ours}/floor"] = m / rec["floor"]["us"]
+    return out
+
+
+def run_decode(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = QSAConfig()
+    backend = backend_name()
+    impls = ("cuda", "portable") if backend == "cuda" and not args.portable_only else ("portable",)
+    bw = copy_bandwidth(args.copy_bytes)
+    layers: dict[str, QSAAttention] = {}
+    if not args.no_layer:
+        base = QSAAttention(cfg, fused=4)
+        base.set_dtype(mx.bfloat16)
+        for impl in impls:
+            opts = QSAOptions(kernels="auto" if impl == "cuda" else "portable")
+            lay = QSAAttention(cfg, options=opts, fused=4)
+            lay.update(base.parameters())
+            layers[impl] = lay
+        mx.eval(base.parameters())
+    points = []
+    for T in args.contexts:
+        for rows in args.rows:
+            rec = bench_decode_point(cfg, T, rows, args, impls, layers, bw["gbps"])
+            rec["ratios"] = ratios(rec)
+            points.append(rec)
+            _progress(rec)
+    return {"bandwidth": bw, "points": points}
+
+
+def _progress(rec: dict[str, Any]) -> None:
+    t = rec["timings"]
+    cols = " ".join(f"{k}={v['median_us']:.1f}" for k, v in t.items())
+    print(
+        f"T={rec['context']} rows={rec['rows']} floor={rec['floor']['us']:.2f}us {cols}", flush=True
+    )
+
+
+# ---- prefill bench ------------------------------------------------------------------------------
+
+
+def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
+    """A 2048-row chunk after each prefix, whole layer (indexer, selection, attention, all
+    projections), with torch's dense causal SDPA over the same context as the peer."""
+    cfg = QSAConfig()
+    S = args.chunk
+    backend = backend_name()
+    impls = ("cuda", "portable") if backend == "cuda" and not args.portable_only else ("portable",)
+    base = QSAAttention(cfg, fused=4)
+    base.set_dtype(mx.bfloat16)
+    points = []
+    for P in args.contexts:
+        T = P + S
+        rec: dict[str, Any] = {"prefix": P, "rows": S, "timings": {}}
+        caches = [random_cache(base, T, S, seed=i) for i in range(args.sets)]
+        xs = [layer_rows(cfg, S, seed=i) for i in range(args.sets)]
+        for impl in impls:
+            opts = QSAOptions(kernels="auto" if impl == "cuda" else "portable")
+            lay = QSAAttention(cfg, options=opts, fused=4)
+            lay.update(base.parameters())
+
+            def step(i: int, lay=lay, xs=xs, caches=caches) -> mx.array:
+                y = lay(xs[i], cache=caches[i])
+                caches[i].trim(S)
+                return y
+
+            t = time_mlx(step, args.sets, args.warmup, args.repeats)
+            t["consumers"] = list(lay.last_call.consumers)
+            rec["timings"][f"qsa_{impl}_layer"] = t
+        torch = _torch_cuda() if not args.no_torch else None
+        if torch is not None:
+            rec["timings"]["torch_dense_causal_sdpa"] = _torch_prefill(cfg, T, S, args)
+        else:
+            rec["skipped"] = {"torch_dense_causal_sdpa": "torch with CUDA is not importable here"}
+        points.append(rec)
+        _progress_prefill(rec)
+    return {"points": points}
+
+
+def _torch_prefill(cfg: QSAConfig, T: int, S: int, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    H, d = cfg.num_attention_heads, cfg.head_dim
+    g = torch.Generator(device="cuda").manual_seed(T)
+    bf = torch.bfloat16
+    sets = [
+        tuple(
+            torch.randn(*sh, generator=g, device="cuda").to(bf)
+            for sh in ((1, H, S, d), (1, H, T, d), (1, H, T, d))
+        )
+        for _ in range(args.sets)
+    ]
+    mask = causal_lower_right(S, T)  # rows are the last S positions
+
+    def step(i: int):
+        q, k, v = sets[i]
+        return sdpa(q, k, v, attn_mask=mask, scale=cfg.scale)
+
+    out = time_torch(step, args.sets, args.warmup, args.repeats)
+    out["note"] = "K/V expanded to 24 heads; lower-right causal mask"
+    return out
+
+
+def _progress_prefill(rec: dict[str, Any]) -> None:
+    cols = " ".join(f"{k}={v['median_us'] / 1e3:.2f}ms" for k, v in rec["timings"].items())
+    print(f"prefix={rec['prefix']} rows={rec['rows']} {cols}", flush=True)
+
+
+# ---- tensor parallel ------------------------------------------------------------------------
+
+
+def run_tp(args: argparse.Namespace) -> dict[str, Any]:
+    """The sharded layer at each context: output vs the unsharded layer, step time, all_sum."""
+    group = mx.distributed.init()
+    if group.size() != args.tp:
+        raise SystemExit(
+            f"bench --tp {args.tp}: the distributed group has {group.size()} ranks; start one "
+            f"process per rank (e.g. `mlx.launch -n {args.tp} -m mlx_qsa bench ...`)"
+        )
+    cfg = QSAConfig()
+    rows_list = args.rows if args.mode == "decode" else (args.chunk,)
+    full = QSAAttention(cfg, fused=4)
+    full.set_dtype(mx.bfloat16)
+    mx.eval(full.parameters())
+    sharded = QSAAttention(cfg, fused=4)
+    sharded.update(full.parameters())
+    sharded.shard(group)
+    points = []
+    for T0 in args.contexts:
+        for rows in rows_list:
+            T = T0 if args.mode == "decode" else T0 + rows
+            x = layer_rows(cfg, rows, seed=rows)
+            c_full, c_shard = random_cache(full, T, rows, 0), random_cache(sharded, T, rows, 0)
+            y_ref = full(x, cache=c_full)
+            y = sharded(x, cache=c_shard)
+            err = float(
+                mx.sqrt(mx.sum((y.astype(mx.float32) - y_ref.astype(mx.float32)) ** 2))
+                / mx.sqrt(mx.sum(y_ref.astype(mx.float32) ** 2))
+            )
+            c_shard.trim(rows)
+
+            def step(i: int, x=x, c_shard=c_shard, rows=rows) -> mx.array:
+                out = sharded(x, cache=c_shard)
+                c_shard.trim(rows)
+                return out
+
+            rec = {
+                "context": T,
+                "rows": rows,
+                "rel_err_vs_unsharded": err,
+                "step": time_mlx(step, 1, args.warmup, args.repeats),
+                "all_sum": time_mlx(
+                    lambda i, y=y: mx.distributed.all_sum(y, group=group),
+                    1,
+                    args.warmup,
+                    args.repeats,
+                ),
+                "all_sum_bytes": int(y.nbytes),
+                "rank_kv_bytes": int(c_shard.nbytes),
+            }
+            points.append(rec)
+            if group.rank() == 0:
+                print(
+                    f"tp={args.tp} T={T} rows={rows} err={err:.2e} "
+                    f"step={rec['step']['median_us']:.1f}us "
+                    f"all_sum={rec['all_sum']['median_us']:.1f}us",
+                    flush=True,
+                )
+    return {"tp": args.tp, "rank": group.rank(), "points": points}
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(
+            int(float(v[:-1]) * 1024) if v.lower().endswith("k") else int(v)
+            for v in text.split(",")
+        )
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("mode", choices=("decode", "prefill"))
+    p.add_argument(
+        "--contexts",
+        type=_int_list,
+        default=None,
+        help="contexts (decode) or prefixes (prefill), e.g. 8k,32k",
+    )
+    p.add_argument("--rows", type=_int_list, default=DEFAULT_ROWS, help="decode rows per step")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk rows")
+    p.add_argument("--sets", type=int, default=8, help="rotated buffer sets (>= 8 defeats L2)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--copy-bytes", type=int, default=1 << 30)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel group size (mx.distributed)")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch peer")
+    p.add_argument("--no-layer", action="store_true", help="skip the whole-layer columns")
+    p.add_argument("--portable-only", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    p.add_argument("--png", type=Path, default=None, help="chart to write (needs matplotlib)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.contexts is None:
+        args.contexts = DEFAULT_CONTEXTS if args.mode == "decode" else PREFILL_CONTEXTS
+    if args.sets < 1 or args.repeats < 1 or args.warmup < 0:
+        raise SystemExit("bench: --sets and --repeats must be >= 1, --warmup >= 0")
+    backend = backend_name()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if args.tp > 1:
+        body = run_tp(args)
+    else:
+        body = run_decode(args) if args.mode == "decode" else run_prefill(args)
+    env = environment(backend)
+    doc = {
+        "bench": args.mode,
+        "device_name": (env.get(backend) or {}).get("device_name"),
+        "command": "mlx-qsa bench "
+        + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "date": started,
+        "backend": backend,
+        "environment": env,
+        "geometry": QSAConfig().to_dict(),
+        **body,
+    }
+    if body.get("rank", 0) != 0:
+        return 0
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    if args.png is not None:
+        from .bench_chart import write_chart
+
+        write_chart(doc, args.png)
+        print(f"wrote {args.png}")
+    return 0

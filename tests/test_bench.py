@@ -1,0 +1,87 @@
+"""`mlx-qsa bench` on this machine: the decode and prefill documents, their checks and errors.
+
+Small contexts and few samples keep it quick; on a CPU the CUDA columns and the torch peer are
+absent, with the reason recorded."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import mlx.core as mx
+import pytest
+
+from mlx_qsa import bench
+from mlx_qsa.cli import build_parser
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser("bench").parse_args(["bench", *argv])
+
+
+def test_decode_document(tmp_path) -> None:
+    out = tmp_path / "d.json"
+    args = _args(
+        "decode", "--contexts", "3k", "--rows", "1,3", "--sets", "2", "--repeats", "2",
+        "--warmup", "1", "--copy-bytes", "8000000", "--out", str(out),
+    )  # fmt: skip
+    assert bench.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "decode" and doc["command"].startswith("mlx-qsa bench")
+    assert doc["geometry"]["num_attention_heads"] == 24 and doc["geometry"]["head_dim"] == 256
+    assert [(p["context"], p["rows"]) for p in doc["points"]] == [(3072, 1), (3072, 3)]
+    cuda = mx.cuda.is_available()
+    for p in doc["points"]:
+        t = p["timings"]
+        expected = {"qsa_portable", "mlx_gather_sdpa", "mlx_dense_sdpa", "qsa_portable_layer"}
+        assert expected <= set(t)
+        assert ("qsa_cuda" in t) == cuda
+        for v in t.values():
+            assert 0 < v["min_us"] <= v["median_us"] <= v["max_us"]
+            assert len(v["samples_us"]) == 2
+        for name, c in p["checks"].items():
+            assert c["rel_err"] <= bench.REL_TOL, name
+            assert c.get("selection_equal", True), name
+        # library defaults: flash for one row; below gather_min_context verifies go dense
+        assert t["qsa_portable_layer"]["consumers"] == (["flash"] if p["rows"] == 1 else ["sdpa"])
+        # block keys (768 x 128) + the rows' selections (at most 3 x 2051 tokens) of K and V
+        floor = p["floor"]["bytes"]
+        assert (
+            2 * (768 * 128 + 2051 * 2 * 256 * 2)
+            <= floor
+            <= 2 * (768 * 128 + 3072 * 2 * 256 * 2 + 3 * 13000)
+        )
+        ours = "qsa_cuda" if cuda else "qsa_portable"
+        assert p["ratios"][f"mlx_dense_sdpa/{ours}"] == pytest.approx(
+            t["mlx_dense_sdpa"]["median_us"] / t[ours]["median_us"]
+        )
+        if not cuda:
+            assert "torch" in p["skipped"]["torch_dense_sdpa"]
+    assert doc["bandwidth"]["gbps"] > 0
+
+
+def test_prefill_document(tmp_path) -> None:
+    out = tmp_path / "p.json"
+    args = _args(
+        "prefill", "--contexts", "2048", "--chunk", "64", "--sets", "1", "--repeats", "1",
+        "--warmup", "1", "--out", str(out),
+    )  # fmt: skip
+    assert bench.run(args) == 0
+    doc = json.loads(out.read_text())
+    (p,) = doc["points"]
+    assert (p["prefix"], p["rows"]) == (2048, 64)
+    assert p["timings"]["qsa_portable_layer"]["median_us"] > 0
+    assert p["timings"]["qsa_portable_layer"]["consumers"]
+
+
+def test_tp_needs_a_matching_group() -> None:
+    with pytest.raises(SystemExit, match="--tp 2: the distributed group has 1 ranks"):
+        bench.run(_args("decode", "--tp", "2", "--contexts", "4096"))
+
+
+def test_argument_errors() -> None:
+    with pytest.raises(SystemExit):
+        _args("decode", "--contexts", "8k,x")
+    with pytest.raises(SystemExit):
+        _args("decode", "--rows", "0")
+    assert bench._int_list("8k,32768") == (8192, 32768)
