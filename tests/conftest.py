@@ -7,11 +7,14 @@ Test modules import these with `from conftest import ...` (tests/ is on sys.path
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
+import mlx_qsa.layer as layer_mod
 from mlx_qsa.config import QSAConfig
 
 # Relative Frobenius error of outputs / states against the float64 oracle (issue 3).
@@ -81,3 +84,32 @@ def rel_err(actual: mx.array | np.ndarray, expected: np.ndarray) -> float:
     a = as_f64(actual) if isinstance(actual, mx.array) else np.asarray(actual, np.float64)
     e = np.asarray(expected, np.float64)
     return float(np.linalg.norm(a - e) / np.linalg.norm(e))
+
+
+# -- observing what a layer attended ---------------------------------------------------
+
+
+@dataclass
+class Seen:
+    """One consumer dispatch: the plan's chain and sdpa mask, the selection, the rows."""
+
+    consumers: tuple[str, ...]
+    sdpa_mask: str
+    sel: object
+    positions: np.ndarray
+    T: int
+    impl: str = "portable"
+
+
+@pytest.fixture
+def spy(monkeypatch) -> list[Seen]:
+    """Record every consumer dispatch (selection in the formats of RUNTIME §7)."""
+    seen: list[Seen] = []
+    real = layer_mod.dispatch
+
+    def recording(cplan, q, keys, values, sel, positions, T, ratio, scale, impl="portable"):
+        seen.append(Seen(cplan.consumers, cplan.sdpa_mask, sel, np.array(positions), T, impl))
+        return real(cplan, q, keys, values, sel, positions, T, ratio, scale, impl)
+
+    monkeypatch.setattr(layer_mod, "dispatch", recording)
+    return seen

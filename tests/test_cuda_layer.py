@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from conftest import hidden_rows, small_config
 from test_layer import Run, build, check_call, check_states
-from test_layer import spy as spy_fixture  # noqa: F401 (registers the `spy` fixture)
 
 from mlx_qsa.config import QSAOptions
 from mlx_qsa.kernels import flash_decode, rows_gather, selector

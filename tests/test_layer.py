@@ -17,9 +17,16 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import TOLERANCES, as_f64, hidden_rows, rel_err, small_config, synthetic_weights
+from conftest import (
+    TOLERANCES,
+    Seen,
+    as_f64,
+    hidden_rows,
+    rel_err,
+    small_config,
+    synthetic_weights,
+)
 
-import mlx_qsa.layer as layer_mod
 from mlx_qsa import oracle
 from mlx_qsa.cache import QSACache
 from mlx_qsa.config import INDEXER_KEYS, QSAConfig, QSAOptions
@@ -62,32 +69,6 @@ def no_indexer(cfg: QSAConfig) -> QSAConfig:
 
 
 # -- observing what the layer attended ----------------------------------------------------
-
-
-@dataclass
-class Seen:
-    """One consumer dispatch: the plan's chain and sdpa mask, the selection, the rows."""
-
-    consumers: tuple[str, ...]
-    sdpa_mask: str
-    sel: object
-    positions: np.ndarray
-    T: int
-    impl: str = "portable"
-
-
-@pytest.fixture
-def spy(monkeypatch) -> list[Seen]:
-    """Record every consumer dispatch (selection in the formats of RUNTIME §7)."""
-    seen: list[Seen] = []
-    real = layer_mod.dispatch
-
-    def recording(cplan, q, keys, values, sel, positions, T, ratio, scale, impl="portable"):
-        seen.append(Seen(cplan.consumers, cplan.sdpa_mask, sel, np.array(positions), T, impl))
-        return real(cplan, q, keys, values, sel, positions, T, ratio, scale, impl)
-
-    monkeypatch.setattr(layer_mod, "dispatch", recording)
-    return seen
 
 
 def attended(s: Seen) -> list[np.ndarray]:
