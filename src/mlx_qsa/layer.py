@@ -131,13 +131,17 @@ class QSAAttention(nn.Module):
         weights: dict[str, mx.array],
         fused: int = 0,
         options: QSAOptions | None = None,
-        zero_centered_norms: bool = True,
+        zero_centered_norms: bool | None = None,
         capabilities: plan.Capabilities | None = None,
     ) -> QSAAttention:
         """Build a layer from HF-named tensors (keys relative to `self_attn.`).
 
-        HF checkpoints store zero-centred norm weights (`1 + w`); they are folded to the
-        plain form on load unless `zero_centered_norms=False`.
+        HF checkpoints store zero-centred norm weights (the norm multiplies by `1 + w`);
+        they are folded to the plain form on load (QSA.md §3). Weights that `sanitize`
+        already converted (its `SanitizedWeights`, or fused keys) are loaded as they are,
+        never folded twice. `zero_centered_norms`: None detects from the source format,
+        True insists on a checkpoint, False means the norms are already plain (see
+        `weights.sanitize`).
         """
         from .weights import sanitize
 
