@@ -31,7 +31,7 @@ from .indexer import (
     split_qk_rows,
 )
 from .rope import apply_rope, rms_norm, rope_tables, text_positions
-from .sharding import check_cache, shard_layer
+from .sharding import check_cache, claim_cache, shard_layer
 
 FUSED_LEVELS = (0, 3, 4)
 _DTYPES = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
@@ -160,6 +160,8 @@ class QSAAttention(nn.Module):
         cfg = self.config
         c = QSACache(index_head_dim=cfg.indexer_head_dim or 0, has_indexer=cfg.has_indexer)
         c.signature = self._signature()
+        c.shard_key = self.shard_layout.key if self.shard_layout is not None else None
+        c.shard_known = True
         return c
 
     def _signature(self) -> tuple:
@@ -322,6 +324,7 @@ class QSAAttention(nn.Module):
         kv_append(u, k, v)
         if state_only:
             cache.commit(u)
+            claim_cache(self, cache)
             return None
 
         vision_kind = "none" if vision is None else ("table" if cfg.has_mrope_axes else "no_axes")
@@ -359,6 +362,7 @@ class QSAAttention(nn.Module):
         y = self.o_proj(o)
 
         cache.commit(u)
+        claim_cache(self, cache)
         names = (iplan.counts if iplan else ()) + cplan.counts
         self.last_call = CallInfo(
             rows=S,
