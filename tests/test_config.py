@@ -200,7 +200,9 @@ def test_valid_edge_configs_are_accepted():
     cfg = QSAConfig.from_dict(
         hf_text_config(rope_parameters={"rope_theta": 1e6, "partial_rotary_factor": 0.25})
     )
-    assert cfg.mrope_section is None and not cfg.mrope_interleaved
+    # No section: 1-D RoPE; the absent flag takes the dataclass default (and has no effect).
+    assert cfg.mrope_section is None and cfg.mrope_interleaved
+    assert mrope_axes(cfg) == [0] * 32
     d = {k: v for k, v in hf_text_config(head_dim=128).items() if k != "rope_parameters"}
     cfg = QSAConfig.from_dict(d)  # HF defaults: full rotary, theta 1e4
     assert (cfg.partial_rotary_factor, cfg.rope_theta, cfg.rotary_dim) == (1.0, 10_000.0, 128)
@@ -294,3 +296,90 @@ def test_mrope_axes_short_sections_fall_back_to_t():
         mrope_section=(6, 1, 1), indexer_n_heads=2, indexer_head_dim=16, indexer_budget=16,
     )  # fmt: skip
     assert mrope_axes(cfg) == [0, 1, 2, 0, 0, 0, 0, 0]
+
+
+# -- MRoPE layouts: interleaved (the model's) and chunked (`mrope_interleaved=False`) ---------
+
+
+def _small_mrope(interleaved: bool, section: tuple[int, int, int] = (3, 3, 2)) -> QSAConfig:
+    return QSAConfig(
+        hidden_size=32, num_attention_heads=4, head_dim=32, partial_rotary_factor=0.5,
+        rope_theta=10_000.0, mrope_section=section, mrope_interleaved=interleaved,
+        indexer_n_heads=2, indexer_head_dim=16, indexer_budget=16,
+    )  # fmt: skip
+
+
+def _numpy_mrope_angles(pos: np.ndarray, cfg: QSAConfig, interleaved: bool) -> np.ndarray:
+    """Per-pair float32 angles `[n, d_r/2]` built directly, the way HF builds them.
+
+    Every axis gets its full frequency table; interleaved overwrites the H/W pairs in strides
+    of 3 (Qwen3-VL), chunked concatenates contiguous section slices of T, H, W (Qwen2-VL).
+    """
+    freqs = np.asarray(inv_frequencies(cfg), np.float32)
+    per_axis = pos.astype(np.float32)[:, :, None] * freqs[None, None, :]  # [3, n, d_r/2]
+    sec = cfg.mrope_section
+    if interleaved:
+        out = per_axis[0].copy()
+        for axis in (1, 2):
+            cols = slice(axis, 3 * sec[axis], 3)
+            out[:, cols] = per_axis[axis][:, cols]
+        return out
+    bounds = np.cumsum([0, *sec])
+    return np.concatenate([per_axis[a][:, bounds[a] : bounds[a + 1]] for a in range(3)], axis=-1)
+
+
+def test_mrope_axes_chunked_layout():
+    assert mrope_axes(_small_mrope(False)) == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert mrope_axes(_small_mrope(True)) == [0, 1, 2, 0, 1, 2, 0, 1]
+    real = mrope_axes(QSAConfig(mrope_interleaved=False))
+    assert real == [0] * 11 + [1] * 11 + [2] * 10
+    assert mrope_axes(QSAConfig(mrope_section=None, mrope_interleaved=False)) == [0] * 32
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "chunked"])
+@pytest.mark.parametrize("section", [(3, 3, 2), (2, 2, 4), (6, 1, 1)])
+def test_rope_tables_match_a_direct_numpy_construction(interleaved, section):
+    import mlx.core as mx
+
+    from mlx_qsa.rope import rope_tables
+
+    cfg = _small_mrope(interleaved, section)
+    t = np.arange(40, dtype=np.int32)
+    pos = np.stack([t, 1000 + 3 * t, 2000 + 7 * t])  # three axes, all distinct
+    want = _numpy_mrope_angles(pos, cfg, interleaved)
+    cos, sin = rope_tables(mx.array(pos), cfg)
+    np.testing.assert_allclose(np.array(cos), np.cos(want.astype(np.float64)), atol=2e-6)
+    np.testing.assert_allclose(np.array(sin), np.sin(want.astype(np.float64)), atol=2e-6)
+    # The other layout gives other angles for each of these sections: the flag is honoured.
+    other_cfg = cfg.replace(mrope_interleaved=not interleaved)
+    other_cos, _ = rope_tables(mx.array(pos), other_cfg)
+    assert mrope_axes(cfg) != mrope_axes(other_cfg)
+    assert not np.array_equal(np.array(cos), np.array(other_cos))
+
+
+def test_from_dict_mrope_interleaved_defaults_to_the_dataclass():
+    """An absent key means interleaved, as the dataclass default does; false is honoured."""
+    assert QSAConfig.__dataclass_fields__["mrope_interleaved"].default is True
+    rope = dict(hf_text_config()["rope_parameters"])
+    del rope["mrope_interleaved"]
+    cfg = QSAConfig.from_dict(hf_text_config(rope_parameters=rope))
+    assert cfg.mrope_interleaved is True and cfg == QSAConfig()
+    chunked = QSAConfig.from_dict(
+        hf_text_config(rope_parameters={**rope, "mrope_interleaved": False})
+    )
+    assert chunked.mrope_interleaved is False and chunked == QSAConfig(mrope_interleaved=False)
+    assert QSAConfig.from_dict(chunked.to_dict()) == chunked
+    legacy = hf_text_config()
+    del legacy["rope_parameters"]
+    legacy["rope_scaling"] = {**rope, "type": "default", "mrope_interleaved": False}
+    assert QSAConfig.from_dict(legacy).mrope_interleaved is False
+
+
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_mrope_interleaved_must_be_a_bool(value):
+    with pytest.raises(ValueError, match="^mrope_interleaved:"):
+        QSAConfig(mrope_interleaved=value)
+    if value is not None:  # None in rope_parameters means "unset" (the default applies)
+        rope = {**hf_text_config()["rope_parameters"], "mrope_interleaved": value}
+        with pytest.raises(ValueError, match="^mrope_interleaved:"):
+            QSAConfig.from_dict(hf_text_config(rope_parameters=rope))

@@ -659,6 +659,26 @@ def test_vision_state_gives_dense_causal_attention(spy, mrope):
         assert np.array(same_rows).tolist() == [t == 0 for t in range(33)]
 
 
+def test_vision_chunked_mrope_layout_reaches_the_keys(spy):
+    """`mrope_interleaved=False` (chunked sections) is honoured, not replaced by interleaved:
+    K follows the oracle at the chunked axes and differs from the interleaved layer's K."""
+    vision = vision_table()
+    x = hidden_rows(13, small_config(True).hidden_size, BF16, seed=140)
+    keys = {}
+    for interleaved in (True, False):
+        cfg = small_config(True, mrope_interleaved=interleaved)
+        layer, w = build(cfg, BF16)
+        run = Run(layer, spy)
+        for r0, S in ((0, 9), (9, 1), (10, 3)):
+            run.feed(x[:, r0 : r0 + S], vision=vision)
+        check_states(run.cache, cfg, w, run.history, BF16, np.array(vision.table[:, :13]))
+        keys[interleaved] = logical_states(run.cache)["keys"]
+    # Row t has (T, H, W) = (t, t // 8, t % 8): only row 0 has T = H = W, where both layouts
+    # give the same angles; every other row differs in at least one pair.
+    same_rows = np.array(mx.all(keys[True] == keys[False], axis=(0, 1, 3))).tolist()
+    assert same_rows == [t == 0 for t in range(13)]
+
+
 def test_vision_positions_past_the_table_use_delta(spy):
     """A call inside [0, L) reads the table (the boundary T = L included); a call that is
     not inside it uses position + delta on every axis (RUNTIME §1.3)."""

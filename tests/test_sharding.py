@@ -24,7 +24,7 @@ import pytest
 import sharding_worker as worker
 from conftest import hidden_rows, small_config, synthetic_weights
 
-from mlx_qsa import QSAAttention, QSAConfig, QSAOptions
+from mlx_qsa import QSAAttention, QSACache, QSAConfig, QSAOptions
 from mlx_qsa.sharding import ShardLayout, plan_layout, segment_rows
 
 TESTS = Path(__file__).resolve().parent
@@ -301,18 +301,138 @@ def test_cache_of_another_group_or_rank_is_refused_untouched():
         assert _same(snap, _cache_snapshot(cache))
 
 
-def test_restored_cache_of_another_shard_is_refused():
-    """A cache restored from state has no signature; its K/V head count still has to match."""
+def _filled(layer: QSAAttention, x: mx.array, n: int = 9):
+    cache = layer.make_cache()
+    layer(x[:, :n], cache=cache)
+    mx.eval(cache.state)
+    return cache
+
+
+def _layer_snapshot(layer: QSAAttention):
+    return dict(layer.counters), layer.last_call
+
+
+def test_restored_cache_of_another_shard_is_refused_untouched(monkeypatch):
+    """A restored cache carries its shard identity in meta_state: another rank's, another
+    group's, an unsharded layer's or a sharded one's is refused before anything moves, also
+    where the K/V arrays have the very shape this layer expects (same head count per rank,
+    a group of 1)."""
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda a, group=None, stream=None: a)
+    cfg = small_config(num_attention_heads=8, num_key_value_heads=4)  # 2 KV heads per rank
+    x = hidden_rows(12, cfg.hidden_size, mx.float32)
+    layers = {}
+    for name, group in (("plain", None), ("r0", (2, 0)), ("r1", (2, 1)), ("g4", (4, 0)),
+                        ("one", (1, 0))):  # fmt: skip
+        layers[name] = make_layer(cfg, 0)
+        if group is not None:
+            layers[name].shard(FakeGroup(*group))
+    saved = {n: _filled(layer, x) for n, layer in layers.items()}
+    cases = [
+        ("plain", "r0", "restored from the state of an unsharded layer .all K/V heads., this "
+         "layer is rank 0 of a group of size 2 .K/V heads \\[0, 1\\]."),
+        ("plain", "one", "restored from the state of an unsharded layer"),  # same shape
+        ("r1", "r0", "restored from the state of rank 1 of a group of size 2, this layer is "
+         "rank 0 of a group of size 2: each rank keeps its own cache .K/V heads \\[2, 3\\] "
+         "there, \\[0, 1\\] here."),  # same shape [1, 2, cap, d]
+        ("g4", "r0", "restored from the state of rank 0 of a group of size 4"),
+        ("r0", "plain", "restored from the state of a layer sharded over a group of size 2 "
+         ".rank 0., this layer is not sharded"),
+        ("one", "plain", "restored from the state of a layer sharded over a group of size 1"),
+    ]  # fmt: skip
+    assert saved["r1"].keys.shape == saved["r0"].keys.shape
+    assert saved["plain"].keys.shape == saved["one"].keys.shape
+    for owner, caller, msg in cases:
+        src = saved[owner]
+        restored = QSACache.from_state(src.state, src.meta_state)
+        layer = layers[caller]
+        snap, before = _cache_snapshot(restored), _layer_snapshot(layer)
+        with pytest.raises(ValueError, match=f"^cache: {msg}"):
+            layer(x[:, 9:10], cache=restored)
+        with pytest.raises(ValueError, match=f"^cache: {msg}"):
+            layer.prefill_state(x[:, 9:11], restored)
+        assert _same(snap, _cache_snapshot(restored))
+        assert _layer_snapshot(layer) == before
+    # Each rank's own restored state is accepted and continues like the original cache.
+    for name in ("r0", "r1", "one", "plain"):
+        c = saved[name]
+        restored = QSACache.from_state(c.state, c.meta_state)
+        y_restored = layers[name](x[:, 9:12], cache=restored)
+        y = layers[name](x[:, 9:12], cache=c)
+        assert mx.array_equal(y, y_restored).item()
+        assert _same(_cache_snapshot(c), _cache_snapshot(restored))
+
+
+def test_meta_state_carries_the_shard_identity(monkeypatch):
+    """Sharded caches add a 6th meta_state string; unsharded ones keep the 5-string form."""
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda a, group=None, stream=None: a)
+    cfg = small_config(num_attention_heads=24, num_key_value_heads=4)
+    x = hidden_rows(9, cfg.hidden_size, mx.float32)
+    plain = make_layer(cfg, 3)
+    straddle = make_layer(cfg, 3)
+    straddle.shard(FakeGroup(3, 0))  # heads 0..7 read KV 0 (six) and 1 (two): kept (0, 0, 0, 1)
+    a, b = _filled(plain, x), _filled(straddle, x)
+    assert len(a.meta_state) == 5
+    assert b.meta_state == (*a.meta_state, "3:0:0,0,0,1")
+    restored = QSACache.from_state(b.state, b.meta_state)
+    assert restored.shard_key == (3, 0, (0, 0, 0, 1)) and restored.meta_state == b.meta_state
+    legacy = QSACache.from_state(a.state, a.meta_state)  # 5 strings: an unsharded layer's
+    assert legacy.shard_key is None and legacy.shard_known
+    for bad in ("3:3:0", "3:0:", "x:0:0", "3:0:0:1", "3:-1:0"):
+        with pytest.raises(ValueError, match="^meta_state: shard identity must be"):
+            QSACache.from_state(b.state, (*b.meta_state[:5], bad))
+    with pytest.raises(ValueError, match="^meta_state: shard identity '3:0:0' names 1 K/V"):
+        QSACache.from_state(b.state, (*b.meta_state[:5], "3:0:0"))  # arrays hold 4 heads
+    with pytest.raises(ValueError, match="^meta_state: expected 5 or 6 strings, got 7"):
+        QSACache.from_state(b.state, (*b.meta_state, "x"))
+
+
+def test_state_assigned_without_meta_state_is_refused_by_a_sharded_layer(monkeypatch):
+    """`cache.state = ...` alone says nothing of whose heads the arrays are: a sharded layer
+    refuses it (even into a cache it made) until a meta_state says whose they are."""
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda a, group=None, stream=None: a)
     cfg = small_config(num_attention_heads=8, num_key_value_heads=4)
+    x = hidden_rows(12, cfg.hidden_size, mx.float32)
+    r0, r1 = make_layer(cfg, 4), make_layer(cfg, 4)
+    r0.shard(FakeGroup(2, 0))
+    r1.shard(FakeGroup(2, 1))
+    own, other = _filled(r0, x), _filled(r1, x)
+    cache = r0.make_cache()
+    cache.state = other.state  # same shapes as rank 0's own arrays
+    snap = _cache_snapshot(cache)
+    with pytest.raises(ValueError, match="^cache: holds K/V state whose shard is unknown"):
+        r0(x[:, 9:10], cache=cache)
+    assert _same(snap, _cache_snapshot(cache))
+    cache.meta_state = other.meta_state
+    with pytest.raises(ValueError, match="^cache: restored from the state of rank 1 of a group"):
+        r0(x[:, 9:10], cache=cache)
+    cache.state = own.state
+    cache.meta_state = own.meta_state
+    y = r0(x[:, 9:12], cache=cache)
+    assert mx.array_equal(y, r0(x[:, 9:12], cache=own)).item()
+    # An unsharded layer keeps accepting state-only assignment (the pre-sharding protocol).
+    plain = make_layer(cfg, 4)
+    c = plain.make_cache()
+    c.state = _filled(plain, x).state
+    c.offset = 9
+    plain(x[:, 9:10], cache=c)
+
+
+def test_bare_cache_is_claimed_by_its_first_sharded_call(monkeypatch):
+    """A QSACache() built directly takes the shard identity of the layer that first writes it,
+    so its saved meta_state restores onto that rank only."""
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda a, group=None, stream=None: a)
+    cfg = small_config()
     x = hidden_rows(8, cfg.hidden_size, mx.float32)
-    plain = make_layer(cfg, 0)
-    cache = plain.make_cache()
-    plain(x[:, :4], cache=cache)
-    restored = type(cache).from_state(cache.state, cache.meta_state)
     layer = make_layer(cfg, 0)
-    layer.shard(FakeGroup(2, 0))
-    with pytest.raises(ValueError, match="K/V rows"):
-        layer(x[:, 4:5], cache=restored)
+    layer.shard(FakeGroup(2, 1))
+    cache = QSACache(index_head_dim=cfg.indexer_head_dim)
+    layer(x[:, :5], cache=cache)
+    assert cache.shard_key == layer.shard_layout.key == (2, 1, (1,))
+    assert cache.meta_state[5] == "2:1:1"
+    other = make_layer(cfg, 0)
+    other.shard(FakeGroup(2, 0))
+    with pytest.raises(ValueError, match="^cache: restored from the state of rank 1"):
+        other(x[:, 5:6], cache=QSACache.from_state(cache.state, cache.meta_state))
 
 
 def test_make_cache_after_shard_protocol():

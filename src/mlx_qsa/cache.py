@@ -85,6 +85,12 @@ class QSACache:
         self.pooled_len = 0
         # Set by QSAAttention.make_cache: the layer geometry this cache was made for.
         self.signature: tuple | None = None
+        # Whose K/V heads the arrays hold: a sharded layer's `ShardLayout.key` (group size,
+        # rank, global KV heads) or None for all heads (unsharded). Known once the cache is
+        # made by a layer, restored with a meta_state, or first written; assigning `state`
+        # alone makes it unknown again (the arrays may come from any rank).
+        self.shard_key: tuple | None = None
+        self.shard_known = False
 
     # -- mlx-lm protocol ----------------------------------------------------------------
     @property
@@ -107,22 +113,29 @@ class QSACache:
             full = tuple(next(it) if p else None for p in _PATTERNS[len(arrays)])
         _check_states(full, self.index_head_dim)
         (self.raw_keys, self.pooled, self.pooled_f32_t, self.keys, self.values) = full
+        self.shard_key, self.shard_known = None, False  # until a meta_state says whose
 
     @property
     def meta_state(self) -> tuple[str, ...]:
+        """5 strings; a sharded layer's cache adds a 6th, its shard identity
+        `"size:rank:kv,kv,..."` (unsharded caches keep the 5-string form)."""
         bits = "".join("1" if p else "0" for p in self.state_present)
-        return (
+        meta = (
             str(self.offset),
             str(self.pooled_len),
             bits,
             str(self.index_head_dim),
             "1" if self.has_indexer else "0",
         )
+        if self.shard_key is not None:
+            meta += (encode_shard_key(self.shard_key),)
+        return meta
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
-        if len(v) != 5:
-            raise ValueError(f"meta_state: expected 5 strings, got {len(v)}")
+        if len(v) not in (5, 6):
+            raise ValueError(f"meta_state: expected 5 or 6 strings, got {len(v)}")
+        shard = decode_shard_key(v[5]) if len(v) == 6 else None
         offset, pooled_len, bits = int(v[0]), int(v[1]), v[2]
         present = tuple(c == "1" for c in bits)
         if present != self.state_present:
@@ -136,7 +149,13 @@ class QSACache:
             raise ValueError(f"meta_state: offset must be in [0, cap_kv={cap_kv}], got {offset}")
         if not 0 <= pooled_len <= offset // 4 + 1 or (self.pooled is None and pooled_len):
             raise ValueError(f"meta_state: pooled_len {pooled_len} inconsistent with offset")
+        if shard is not None and self.keys is not None and self.keys.shape[1] != len(shard[2]):
+            raise ValueError(
+                f"meta_state: shard identity {v[5]!r} names {len(shard[2])} K/V heads, the "
+                f"state arrays hold {self.keys.shape[1]}"
+            )
         self.offset, self.pooled_len = offset, pooled_len
+        self.shard_key, self.shard_known = shard, True
 
     @classmethod
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...]) -> QSACache:
@@ -197,6 +216,26 @@ class QSACache:
     def __repr__(self) -> str:
         caps = "/".join(str(self.capacity(n)) for n in STATE_NAMES)
         return f"QSACache(offset={self.offset}, pooled_len={self.pooled_len}, caps={caps})"
+
+
+def encode_shard_key(key: tuple) -> str:
+    size, rank, kv_heads = key
+    return f"{size}:{rank}:{','.join(str(h) for h in kv_heads)}"
+
+
+def decode_shard_key(text: str) -> tuple:
+    """`"size:rank:kv,kv,..."` → `(size, rank, (kv, ...))` (a `ShardLayout.key`)."""
+    try:
+        size, rank, heads = text.split(":")
+        key = (int(size), int(rank), tuple(int(h) for h in heads.split(",")))
+    except ValueError:
+        key = None
+    if key is None or not 0 <= key[1] < key[0] or min(key[2]) < 0:
+        raise ValueError(
+            f"meta_state: shard identity must be 'size:rank:kv,kv,...' with 0 <= rank < "
+            f"size, got {text!r}"
+        )
+    return key
 
 
 def _check_states(full: tuple, d_i: int) -> None:

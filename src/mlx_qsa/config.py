@@ -136,7 +136,10 @@ class QSAConfig:
         kw["rope_type"] = pick("rope_type", pick("type", "default"))
         section = pick("mrope_section", None)
         kw["mrope_section"] = tuple(section) if section is not None else None
-        kw["mrope_interleaved"] = bool(pick("mrope_interleaved", False))
+        # An absent key means the interleaved layout, the dataclass default: QSA.md §5 gives
+        # the interleaved axis rule as the model's MRoPE (Qwen3-VL lineage, whose HF rotary
+        # embedding interleaves unconditionally); an explicit false selects the chunked one.
+        kw["mrope_interleaved"] = pick("mrope_interleaved", base["mrope_interleaved"].default)
         return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
@@ -221,6 +224,8 @@ def validate(cfg: QSAConfig) -> None:
             f"partial_rotary_factor: rotary dim int(head_dim * factor) must be even and in "
             f"[2, head_dim={cfg.head_dim}], got {d_r}"
         )
+    if not isinstance(cfg.mrope_interleaved, bool):
+        raise ValueError(f"mrope_interleaved: expected a bool, got {cfg.mrope_interleaved!r}")
     if cfg.mrope_section is not None:
         sec = cfg.mrope_section
         if len(sec) != 3 or not all(_is_int(s) and s >= 0 for s in sec):
@@ -378,12 +383,18 @@ def inv_frequencies(cfg: QSAConfig) -> list[float]:
 def mrope_axes(cfg: QSAConfig) -> list[int]:
     """Axis (0 = T, 1 = H, 2 = W) that drives each frequency pair i (QSA.md §5).
 
+    Interleaved (`mrope_interleaved`, the model's layout): pair i takes H if `i % 3 == 1`
+    and `i < 3·sec_H`, W if `i % 3 == 2` and `i < 3·sec_W`, else T. Chunked
+    (`mrope_interleaved=False`, the Qwen2-VL layout): contiguous runs, pairs
+    `[0, sec_T)` take T, the next sec_H take H, the last sec_W take W.
     Without `mrope_section` every pair uses axis T (1-D RoPE).
     """
     n = cfg.rotary_dim // 2
     if cfg.mrope_section is None:
         return [0] * n
-    _, sec_h, sec_w = cfg.mrope_section
+    sec_t, sec_h, sec_w = cfg.mrope_section
+    if not cfg.mrope_interleaved:
+        return [0] * sec_t + [1] * sec_h + [2] * sec_w  # validate: the sections sum to n
     axes = []
     for i in range(n):
         if i % 3 == 1 and i < 3 * sec_h:

@@ -32,7 +32,7 @@ from .indexer import (
 )
 from .kernels import resolve_impl
 from .rope import apply_rope, rms_norm, rope_tables, text_positions
-from .sharding import check_cache, shard_layer
+from .sharding import check_cache, claim_cache, shard_layer
 
 FUSED_LEVELS = (0, 3, 4)
 _DTYPES = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
@@ -132,13 +132,17 @@ class QSAAttention(nn.Module):
         weights: dict[str, mx.array],
         fused: int = 0,
         options: QSAOptions | None = None,
-        zero_centered_norms: bool = True,
+        zero_centered_norms: bool | None = None,
         capabilities: plan.Capabilities | None = None,
     ) -> QSAAttention:
         """Build a layer from HF-named tensors (keys relative to `self_attn.`).
 
-        HF checkpoints store zero-centred norm weights (`1 + w`); they are folded to the
-        plain form on load unless `zero_centered_norms=False`.
+        HF checkpoints store zero-centred norm weights (the norm multiplies by `1 + w`);
+        they are folded to the plain form on load (QSA.md §3). Weights that `sanitize`
+        already converted (its `SanitizedWeights`, or fused keys) are loaded as they are,
+        never folded twice. `zero_centered_norms`: None detects from the source format,
+        True insists on a checkpoint, False means the norms are already plain (see
+        `weights.sanitize`).
         """
         from .weights import sanitize
 
@@ -163,6 +167,8 @@ class QSAAttention(nn.Module):
         cfg = self.config
         c = QSACache(index_head_dim=cfg.indexer_head_dim or 0, has_indexer=cfg.has_indexer)
         c.signature = self._signature()
+        c.shard_key = self.shard_layout.key if self.shard_layout is not None else None
+        c.shard_known = True
         return c
 
     def _signature(self) -> tuple:
@@ -325,6 +331,7 @@ class QSAAttention(nn.Module):
         kv_append(u, k, v)
         if state_only:
             cache.commit(u)
+            claim_cache(self, cache)
             return None
 
         vision_kind = "none" if vision is None else ("table" if cfg.has_mrope_axes else "no_axes")
@@ -363,6 +370,7 @@ class QSAAttention(nn.Module):
         y = self.o_proj(o)
 
         cache.commit(u)
+        claim_cache(self, cache)
         names = (iplan.counts if iplan else ()) + cplan.counts
         self.last_call = CallInfo(
             rows=S,

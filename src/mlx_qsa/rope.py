@@ -1,4 +1,4 @@
-"""Rotate-half RoPE / interleaved MRoPE and the plain-weight RMSNorm (QSA.md §3, §5).
+"""Rotate-half RoPE, MRoPE (interleaved or chunked axes), plain-weight RMSNorm (QSA.md §3, §5).
 
 Both routines write cache states, so every path (eager, compiled, legacy, oracle scorer)
 must produce the same bits (RUNTIME.md §10). Two hazards are avoided by construction:

@@ -184,27 +184,70 @@ def shard_layer(layer: Any, group: Any = None) -> None:
     mx.eval(layer.parameters())  # drop the references to the full matrices now
 
 
+def _describe(key: tuple | None) -> str:
+    if key is None:
+        return "an unsharded layer (all K/V heads)"
+    return f"rank {key[1]} of a group of size {key[0]} (K/V heads {list(key[2])})"
+
+
 def check_cache(layer: Any, cache: Any) -> None:
-    """Reject a cache made for another sharding of this layer (before anything is touched)."""
-    sig = cache.signature
-    if sig is None:
-        return
+    """Reject a cache made for, or restored from, another sharding of this layer.
+
+    Runs in the layer's call validation, before anything is touched. The cache's shard
+    identity comes from `make_cache` or its restored meta_state (`QSACache.shard_key`); a
+    sharded layer also refuses a non-empty cache whose identity is unknown (`state`
+    assigned without a meta_state) and one whose K/V arrays hold another number of heads.
+    """
     mine = getattr(layer, "shard_layout", None)
-    theirs = sig[-1] if len(sig) == 5 else None
+    if cache.shard_known:
+        theirs = cache.shard_key
+        made = cache.signature is not None and cache.signature[-1] == theirs
+        _check_identity(mine, theirs, made)
+    elif mine is not None and not cache.empty():  # an empty cache holds no one's heads
+        raise ValueError(
+            f"cache: holds K/V state whose shard is unknown (its `state` was assigned without "
+            f"a meta_state); this layer is {_describe(mine.key)}: restore each rank's cache "
+            f"with QSACache.from_state(state, meta_state) from that rank's own save"
+        )
+    if mine is not None and cache.keys is not None and cache.keys.shape[1] != len(mine.kv_heads):
+        raise ValueError(
+            f"cache: its K/V rows hold {cache.keys.shape[1]} KV heads, this layer is "
+            f"{_describe(mine.key)} and keeps {len(mine.kv_heads)}: each rank keeps its own "
+            f"cache"
+        )
+
+
+def _check_identity(mine: ShardLayout | None, theirs: tuple | None, made: bool) -> None:
+    """`made`: the cache came from make_cache (else its meta_state was restored)."""
     if mine is None and theirs is None:
         return
     if mine is not None and theirs is None:
+        if made:
+            raise ValueError(
+                "cache: made before shard() (it holds all the K/V heads); make the cache with "
+                "layer.make_cache() after layer.shard(group)"
+            )
         raise ValueError(
-            "cache: made before shard() (it holds all the K/V heads); make the cache with "
-            "layer.make_cache() after layer.shard(group)"
+            f"cache: restored from the state of an unsharded layer (all K/V heads), this "
+            f"layer is {_describe(mine.key)}: restore each rank's cache from its own state"
         )
+    how = "made by" if made else "restored from the state of"
     if mine is None:
         raise ValueError(
-            f"cache: made by a layer sharded over a group of size {theirs[0]} (rank "
+            f"cache: {how} a layer sharded over a group of size {theirs[0]} (rank "
             f"{theirs[1]}), this layer is not sharded"
         )
     if theirs != mine.key:
+        how = "made for" if made else "restored from the state of"
         raise ValueError(
-            f"cache: made for rank {theirs[1]} of a group of size {theirs[0]}, this layer is "
-            f"rank {mine.rank} of a group of size {mine.size}: each rank keeps its own cache"
+            f"cache: {how} rank {theirs[1]} of a group of size {theirs[0]}, this layer is "
+            f"rank {mine.rank} of a group of size {mine.size}: each rank keeps its own cache "
+            f"(K/V heads {list(theirs[2])} there, {list(mine.kv_heads)} here)"
         )
+
+
+def claim_cache(layer: Any, cache: Any) -> None:
+    """After a call wrote the cache: it now holds this layer's K/V heads (its shard)."""
+    if not cache.shard_known:
+        lay = getattr(layer, "shard_layout", None)
+        cache.shard_key, cache.shard_known = (lay.key if lay is not None else None), True
