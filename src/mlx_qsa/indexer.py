@@ -192,9 +192,7 @@ def select_rows(
     if impl == "cuda" and pooled is not None and cuda_selector_supports(q, pooled):
         from .kernels.selector import select_blocks_cuda
 
-        return select_blocks_cuda(
-            q[0].transpose(1, 0, 2), pooled, positions, block_topk=k, ratio=ratio
-        )
+        return select_blocks_cuda(q, pooled, positions, block_topk=k, ratio=ratio)
     S = q.shape[2]
     nb_rows = (positions + 1) // ratio
     parts = []

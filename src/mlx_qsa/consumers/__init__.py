@@ -58,9 +58,9 @@ def dispatch(
         if first == "flash" and 32 % ratio == 0:
             from ..kernels.flash_decode import flash_decode_cuda
 
-            t = mx.array([T], dtype=mx.int32)
+            # the selection's row and the row's position are read in place (no extra arrays)
             return flash_decode_cuda(
-                q, keys, values, sel.ids[0], sel.valid[0], t, scale=scale, ratio=ratio
+                q, keys, values, sel.ids, sel.valid, scale=scale, ratio=ratio, pos=positions
             )
         if first == "rows_gather":
             from ..kernels.rows_gather import rows_gather_cuda

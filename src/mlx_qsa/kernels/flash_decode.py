@@ -82,37 +82,50 @@ def flash_decode_cuda(
     values: mx.array,
     block_ids: mx.array,
     block_valid: mx.array,
-    T: mx.array,
+    T: mx.array | None = None,
     *,
     scale: float,
     ratio: int = 4,
+    pos: mx.array | None = None,
 ) -> mx.array:
-    """Split-K flash decode on CUDA (two kernels); see :func:`flash_decode_portable`.
+    """Split-K flash decode on CUDA in one launch; see :func:`flash_decode_portable`.
 
     The list [selected blocks..., tail] is cut into ``32 / ratio`` entries per CTA, one CTA per
-    (KV head, split) for all its query heads, float32 online softmax; a second kernel merges
-    the splits by log-sum-exp in a fixed order (deterministic).
+    (KV head, split) for all its query heads, float32 online softmax; the last CTA of each KV head
+    merges the splits by log-sum-exp in a fixed order (deterministic). The context is ``T``
+    (int32 [1]) or, without a separate array, ``pos`` (int32 [1], the row's position = T - 1).
+    ``block_ids`` / ``block_valid`` may be ``[K]`` or ``[1, K]`` (a selection's row, in place).
     """
     fn = "flash_decode_cuda"
-    n_heads, n_kv, d = _check(fn, q, keys, values, block_ids, block_valid, T, ratio)
+    if (T is None) == (pos is None):
+        raise ValueError(f"{fn}: pass exactly one of T and pos")
+    tlen = T if T is not None else pos
+    ids1 = block_ids.reshape(-1) if block_ids.ndim == 2 else block_ids
+    ok1 = block_valid.reshape(-1) if block_valid.ndim == 2 else block_valid
+    tcheck = tlen if tlen.shape == (1,) else tlen.reshape(-1)[:1]
+    n_heads, n_kv, d = _check(fn, q, keys, values, ids1, ok1, tcheck, ratio)
+    if block_ids.ndim == 2 and block_ids.shape[0] != 1:
+        raise ValueError(f"{fn}: block_ids must be [K] or [1, K], got {list(block_ids.shape)}")
+    if tlen.shape != (1,):
+        raise ValueError(f"{fn}: T / pos must have shape [1], got {list(tlen.shape)}")
     _launch.require_cuda(fn)
     _launch.check_cuda_attention(fn, q, n_heads, n_kv, d, scale)
     if _TOK % ratio != 0:
         raise NotImplementedError(f"{fn}: ratio must divide {_TOK}, got {ratio}")
-    K = block_ids.shape[0]
+    K = block_ids.shape[-1]
     g = n_heads // n_kv
     nsplit = -(-(K + 1) // (_TOK // ratio))
     nt = _launch.ATTN_THREADS
-    partial = _launch.build(
+    kernel = _launch.build(
         "flash_decode.cu",
-        "partial",
+        "decode",
         ("q", "keys", "values", "block_ids", "block_valid", "tlen"),
-        ("part_o", "part_ml"),
+        ("out", "part_o", "part_ml", "count"),
         (),
         shared_memory=_launch.attn_smem_bytes(d, g, _TOK, nt),
     )
-    part_o, part_ml = partial(
-        inputs=[q, keys, values, block_ids, block_valid, T],
+    return kernel(
+        inputs=[q, keys, values, block_ids, block_valid, tlen],
         template=[
             ("D", d),
             ("G", g),
@@ -122,18 +135,11 @@ def flash_decode_cuda(
             ("NSPLIT", nsplit),
             ("SCALE_BITS", _launch.float_bits(scale)),
             ("NT", nt),
+            ("TOFF", 0 if T is not None else 1),
         ],
         grid=(n_kv * nsplit * nt, 1, 1),
         threadgroup=(nt, 1, 1),
-        output_shapes=[(n_heads, nsplit, d), (n_heads, nsplit, 2)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    merge = _launch.build("flash_decode.cu", "merge", ("part_o", "part_ml"), ("out",), ())
-    return merge(
-        inputs=[part_o, part_ml],
-        template=[("D", d), ("NSPLIT", nsplit)],
-        grid=(n_heads * d, 1, 1),
-        threadgroup=(64, 1, 1),
-        output_shapes=[(1, n_heads, 1, d)],
-        output_dtypes=[q.dtype],
+        output_shapes=[(1, n_heads, 1, d), (n_heads, nsplit, d), (n_heads, nsplit, 2), (n_kv,)],
+        output_dtypes=[q.dtype, mx.float32, mx.float32, mx.uint32],
+        init_value=0,  # the per-KV-head arrival counters start at 0
     )[0]
