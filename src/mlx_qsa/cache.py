@@ -73,9 +73,7 @@ class QSACache:
     `offset` is the number of tokens written; `pooled_len` the number of logical block keys.
     """
 
-    def __init__(
-        self, index_head_dim: int = 128, has_indexer: bool = True, ratio: int = 4
-    ) -> None:
+    def __init__(self, index_head_dim: int = 128, has_indexer: bool = True, ratio: int = 4) -> None:
         self.index_head_dim = index_head_dim
         self.has_indexer = has_indexer
         # Block size r: trim must keep pooled_len <= offset // r for the layer's own r
