@@ -129,16 +129,7 @@ class QSACache:
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
         # Validate everything first, assign last: a rejected meta_state changes nothing.
-        if len(v) not in (5, 6):
-            raise ValueError(f"meta_state: expected 5 or 6 strings, got {len(v)}")
-        try:
-            offset, pooled_len, bits = int(v[0]), int(v[1]), v[2]
-            index_head_dim = int(v[3])
-            ratio = int(v[5]) if len(v) == 6 else 4
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"meta_state: expected integer strings, got {tuple(v)}") from e
-        if ratio < 1:
-            raise ValueError(f"meta_state: ratio must be >= 1, got {ratio}")
+        offset, pooled_len, bits, index_head_dim, has_indexer, ratio = _parse_meta(v)
         present = tuple(c == "1" for c in bits)
         if present != self.state_present:
             raise ValueError(
@@ -150,17 +141,14 @@ class QSACache:
             raise ValueError(f"meta_state: offset must be in [0, cap_kv={cap_kv}], got {offset}")
         if not 0 <= pooled_len <= offset // ratio + 1 or (self.pooled is None and pooled_len):
             raise ValueError(f"meta_state: pooled_len {pooled_len} inconsistent with offset")
-        self.index_head_dim, self.has_indexer = index_head_dim, v[4] == "1"
+        self.index_head_dim, self.has_indexer = index_head_dim, has_indexer
         self.ratio = ratio
         self.offset, self.pooled_len = offset, pooled_len
 
     @classmethod
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...]) -> QSACache:
-        obj = cls(
-            index_head_dim=int(meta_state[3]),
-            has_indexer=meta_state[4] == "1",
-            ratio=int(meta_state[5]) if len(meta_state) == 6 else 4,
-        )
+        _, _, _, index_head_dim, has_indexer, ratio = _parse_meta(meta_state)
+        obj = cls(index_head_dim=index_head_dim, has_indexer=has_indexer, ratio=ratio)
         obj.state = state
         obj.meta_state = meta_state
         return obj
@@ -217,6 +205,22 @@ class QSACache:
     def __repr__(self) -> str:
         caps = "/".join(str(self.capacity(n)) for n in STATE_NAMES)
         return f"QSACache(offset={self.offset}, pooled_len={self.pooled_len}, caps={caps})"
+
+
+def _parse_meta(v: tuple[str, ...]) -> tuple[int, int, str, int, bool, int]:
+    """(offset, pooled_len, presence bits, index head dim, has_indexer, ratio) of a
+    meta_state; a 5-string one (saved before the ratio was stored) means ratio 4."""
+    if not isinstance(v, (tuple, list)) or len(v) not in (5, 6):
+        n = len(v) if isinstance(v, (tuple, list)) else type(v).__name__
+        raise ValueError(f"meta_state: expected 5 or 6 strings, got {n}")
+    try:
+        offset, pooled_len, index_head_dim = int(v[0]), int(v[1]), int(v[3])
+        ratio = int(v[5]) if len(v) == 6 else 4
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"meta_state: expected integer strings, got {tuple(v)}") from e
+    if ratio < 1:
+        raise ValueError(f"meta_state: ratio must be >= 1, got {ratio}")
+    return offset, pooled_len, str(v[2]), index_head_dim, v[4] == "1", ratio
 
 
 def _check_states(full: tuple, d_i: int) -> None:
