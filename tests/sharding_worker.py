@@ -144,7 +144,7 @@ def check_case(case: str, group: mx.distributed.Group, out_dir: Path) -> dict:
     H_kv = ref_layer.config.num_key_value_heads
     want = expected_nbytes(rc, len(lay.kv_heads), H_kv)
     assert got["nbytes"] == want, f"{case}: nbytes {got['nbytes']} != {want}"
-    # The rank's meta_state: the unsharded one's five strings plus its shard identity.
+    # The rank's meta_state: the unsharded one's six strings plus its shard identity.
     identity = f"{lay.size}:{lay.rank}:{','.join(str(h) for h in lay.kv_heads)}"
     assert c.meta_state == (*rc.meta_state, identity), f"{case}: meta_state {c.meta_state}"
 

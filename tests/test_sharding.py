@@ -363,7 +363,7 @@ def test_restored_cache_of_another_shard_is_refused_untouched(monkeypatch):
 
 
 def test_meta_state_carries_the_shard_identity(monkeypatch):
-    """Sharded caches add a 6th meta_state string; unsharded ones keep the 5-string form."""
+    """Sharded caches add a 7th meta_state string; unsharded ones keep the 6-string form."""
     monkeypatch.setattr(mx.distributed, "all_sum", lambda a, group=None, stream=None: a)
     cfg = small_config(num_attention_heads=24, num_key_value_heads=4)
     x = hidden_rows(9, cfg.hidden_size, mx.float32)
@@ -371,18 +371,18 @@ def test_meta_state_carries_the_shard_identity(monkeypatch):
     straddle = make_layer(cfg, 3)
     straddle.shard(FakeGroup(3, 0))  # heads 0..7 read KV 0 (six) and 1 (two): kept (0, 0, 0, 1)
     a, b = _filled(plain, x), _filled(straddle, x)
-    assert len(a.meta_state) == 5
+    assert len(a.meta_state) == 6
     assert b.meta_state == (*a.meta_state, "3:0:0,0,0,1")
     restored = QSACache.from_state(b.state, b.meta_state)
     assert restored.shard_key == (3, 0, (0, 0, 0, 1)) and restored.meta_state == b.meta_state
-    legacy = QSACache.from_state(a.state, a.meta_state)  # 5 strings: an unsharded layer's
+    legacy = QSACache.from_state(a.state, a.meta_state)  # 6 strings: an unsharded layer's
     assert legacy.shard_key is None and legacy.shard_known
     for bad in ("3:3:0", "3:0:", "x:0:0", "3:0:0:1", "3:-1:0"):
         with pytest.raises(ValueError, match="^meta_state: shard identity must be"):
-            QSACache.from_state(b.state, (*b.meta_state[:5], bad))
+            QSACache.from_state(b.state, (*b.meta_state[:6], bad))
     with pytest.raises(ValueError, match="^meta_state: shard identity '3:0:0' names 1 K/V"):
-        QSACache.from_state(b.state, (*b.meta_state[:5], "3:0:0"))  # arrays hold 4 heads
-    with pytest.raises(ValueError, match="^meta_state: expected 5 or 6 strings, got 7"):
+        QSACache.from_state(b.state, (*b.meta_state[:6], "3:0:0"))  # arrays hold 4 heads
+    with pytest.raises(ValueError, match="^meta_state: expected 5, 6 or 7 strings, got 8"):
         QSACache.from_state(b.state, (*b.meta_state, "x"))
 
 
@@ -428,7 +428,7 @@ def test_bare_cache_is_claimed_by_its_first_sharded_call(monkeypatch):
     cache = QSACache(index_head_dim=cfg.indexer_head_dim)
     layer(x[:, :5], cache=cache)
     assert cache.shard_key == layer.shard_layout.key == (2, 1, (1,))
-    assert cache.meta_state[5] == "2:1:1"
+    assert cache.meta_state[6] == "2:1:1"
     other = make_layer(cfg, 0)
     other.shard(FakeGroup(2, 0))
     with pytest.raises(ValueError, match="^cache: restored from the state of rank 1"):

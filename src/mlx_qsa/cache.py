@@ -73,9 +73,13 @@ class QSACache:
     `offset` is the number of tokens written; `pooled_len` the number of logical block keys.
     """
 
-    def __init__(self, index_head_dim: int = 128, has_indexer: bool = True) -> None:
+    def __init__(self, index_head_dim: int = 128, has_indexer: bool = True, ratio: int = 4) -> None:
         self.index_head_dim = index_head_dim
         self.has_indexer = has_indexer
+        # Block size r: trim must keep pooled_len <= offset // r for the layer's own r
+        # (a fixed 4 left a stale block "complete" at r = 8, so the eager path never re-pooled
+        # it after a rollback, and under-counted blocks at r = 2).
+        self.ratio = ratio
         self.raw_keys: mx.array | None = None
         self.pooled: mx.array | None = None
         self.pooled_f32_t: mx.array | None = None
@@ -117,8 +121,9 @@ class QSACache:
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        """5 strings; a sharded layer's cache adds a 6th, its shard identity
-        `"size:rank:kv,kv,..."` (unsharded caches keep the 5-string form)."""
+        """offset, pooled_len, presence bits, index head dim, has_indexer, ratio (6 strings;
+        a 5-string meta_state from before the ratio was stored is read as ratio 4). A sharded
+        layer's cache adds a 7th, its shard identity `"size:rank:kv,kv,..."`."""
         bits = "".join("1" if p else "0" for p in self.state_present)
         meta = (
             str(self.offset),
@@ -126,6 +131,7 @@ class QSACache:
             bits,
             str(self.index_head_dim),
             "1" if self.has_indexer else "0",
+            str(self.ratio),
         )
         if self.shard_key is not None:
             meta += (encode_shard_key(self.shard_key),)
@@ -133,33 +139,34 @@ class QSACache:
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
-        if len(v) not in (5, 6):
-            raise ValueError(f"meta_state: expected 5 or 6 strings, got {len(v)}")
-        shard = decode_shard_key(v[5]) if len(v) == 6 else None
-        offset, pooled_len, bits = int(v[0]), int(v[1]), v[2]
+        # Validate everything first, assign last: a rejected meta_state changes nothing.
+        offset, pooled_len, bits, index_head_dim, has_indexer, ratio = _parse_meta(v)
+        shard = decode_shard_key(v[6]) if len(v) == 7 else None
         present = tuple(c == "1" for c in bits)
         if present != self.state_present:
             raise ValueError(
                 f"meta_state: presence bits {bits} do not match the state arrays "
                 f"{''.join('1' if p else '0' for p in self.state_present)}"
             )
-        self.index_head_dim, self.has_indexer = int(v[3]), v[4] == "1"
         cap_kv = self.keys.shape[2] if self.keys is not None else 0
         if not 0 <= offset <= cap_kv:
             raise ValueError(f"meta_state: offset must be in [0, cap_kv={cap_kv}], got {offset}")
-        if not 0 <= pooled_len <= offset // 4 + 1 or (self.pooled is None and pooled_len):
+        if not 0 <= pooled_len <= offset // ratio + 1 or (self.pooled is None and pooled_len):
             raise ValueError(f"meta_state: pooled_len {pooled_len} inconsistent with offset")
         if shard is not None and self.keys is not None and self.keys.shape[1] != len(shard[2]):
             raise ValueError(
-                f"meta_state: shard identity {v[5]!r} names {len(shard[2])} K/V heads, the "
+                f"meta_state: shard identity {v[6]!r} names {len(shard[2])} K/V heads, the "
                 f"state arrays hold {self.keys.shape[1]}"
             )
+        self.index_head_dim, self.has_indexer = index_head_dim, has_indexer
+        self.ratio = ratio
         self.offset, self.pooled_len = offset, pooled_len
         self.shard_key, self.shard_known = shard, True
 
     @classmethod
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...]) -> QSACache:
-        obj = cls(index_head_dim=int(meta_state[3]), has_indexer=meta_state[4] == "1")
+        _, _, _, index_head_dim, has_indexer, ratio = _parse_meta(meta_state)
+        obj = cls(index_head_dim=index_head_dim, has_indexer=has_indexer, ratio=ratio)
         obj.state = state
         obj.meta_state = meta_state
         return obj
@@ -172,7 +179,7 @@ class QSACache:
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.offset:
             raise ValueError(f"trim(n): n must be in [0, offset={self.offset}], got {n!r}")
         self.offset -= n
-        self.pooled_len = min(self.pooled_len, self.offset // 4)
+        self.pooled_len = min(self.pooled_len, self.offset // self.ratio)
         return n
 
     def empty(self) -> bool:
@@ -236,6 +243,23 @@ def decode_shard_key(text: str) -> tuple:
             f"size, got {text!r}"
         )
     return key
+
+
+def _parse_meta(v: tuple[str, ...]) -> tuple[int, int, str, int, bool, int]:
+    """(offset, pooled_len, presence bits, index head dim, has_indexer, ratio) of a
+    meta_state; a 5-string one (saved before the ratio was stored) means ratio 4; a 7th
+    string is a shard identity (decoded by the caller)."""
+    if not isinstance(v, (tuple, list)) or len(v) not in (5, 6, 7):
+        n = len(v) if isinstance(v, (tuple, list)) else type(v).__name__
+        raise ValueError(f"meta_state: expected 5, 6 or 7 strings, got {n}")
+    try:
+        offset, pooled_len, index_head_dim = int(v[0]), int(v[1]), int(v[3])
+        ratio = int(v[5]) if len(v) == 6 else 4
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"meta_state: expected integer strings, got {tuple(v)}") from e
+    if ratio < 1:
+        raise ValueError(f"meta_state: ratio must be >= 1, got {ratio}")
+    return offset, pooled_len, str(v[2]), index_head_dim, v[4] == "1", ratio
 
 
 def _check_states(full: tuple, d_i: int) -> None:

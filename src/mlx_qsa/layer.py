@@ -165,7 +165,11 @@ class QSAAttention(nn.Module):
 
     def make_cache(self) -> QSACache:
         cfg = self.config
-        c = QSACache(index_head_dim=cfg.indexer_head_dim or 0, has_indexer=cfg.has_indexer)
+        c = QSACache(
+            index_head_dim=cfg.indexer_head_dim or 0,
+            has_indexer=cfg.has_indexer,
+            ratio=cfg.indexer_compress_ratio or 4,
+        )
         c.signature = self._signature()
         c.shard_key = self.shard_layout.key if self.shard_layout is not None else None
         c.shard_known = True
@@ -220,6 +224,12 @@ class QSAAttention(nn.Module):
             raise ValueError(
                 f"cache: index head dim {cache.index_head_dim}, this layer has "
                 f"{cfg.indexer_head_dim}"
+            )
+        # A restored cache's block size must be this layer's (trim rounds pooled_len by it).
+        if cfg.has_indexer and cache.ratio != cfg.indexer_compress_ratio:
+            raise ValueError(
+                f"cache: block size (compress ratio) {cache.ratio}, this layer has "
+                f"{cfg.indexer_compress_ratio}"
             )
         kv = (cfg.num_key_value_heads, cfg.head_dim)
         if cache.keys is not None and (cache.keys.shape[1], cache.keys.shape[3]) != kv:
