@@ -5,6 +5,8 @@
 # trace:   `mlx-qsa trace` on the GPU, compared field by field with the M5 Pro fixture
 # bench:   `mlx-qsa bench decode` at the issue's contexts and rows (all peers, one process)
 # prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples)
+# overhead: host µs per MLX primitive, CUDA graphs on and off (benchmarks/mlx_overhead.py)
+# quick:   a decode subset with CUDA graphs on and off
 # Everything goes under $OUT.
 set -uo pipefail
 OUT="${OUT:-/tmp/qsa-out}"
@@ -44,6 +46,15 @@ PY
       timeout 560 python3 -m mlx_qsa bench decode --out "$OUT/decode_h200.json" 2>&1 \
         | tee "$OUT/decode_run.log"
       rc=$((rc | PIPESTATUS[0])) ;;
+    overhead)
+      for g in 1 0; do
+        MLX_USE_CUDA_GRAPHS=$g python3 benchmarks/mlx_overhead.py "$OUT/mlx_overhead_graphs$g.json"
+      done ;;
+    quick)
+      for g in 1 0; do
+        MLX_USE_CUDA_GRAPHS=$g timeout 250 python3 -m mlx_qsa bench decode --contexts 8k,128k \
+          --rows 1,8 --no-torch --out "$OUT/decode_quick_graphs$g.json" 2>&1 | tee -a "$OUT/quick.log"
+      done ;;
     prefill)
       timeout 560 python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 \
         --out "$OUT/prefill_h200.json" 2>&1 | tee "$OUT/prefill_run.log"

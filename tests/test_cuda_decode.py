@@ -490,3 +490,33 @@ def test_cuda_deterministic():
     a = flash_decode_cuda(*args, scale=1 / 16)
     b = flash_decode_cuda(*args, scale=1 / 16)
     assert mx.array_equal(a, b).item()
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_call_forms_read_in_place(rows):
+    """The forms the layer uses (index queries [1, H_I, S, d_I]; a selection row [1, K] and the
+    row's position instead of T) give bit-identical results to the documented ones, also on
+    repeated launches (the hand-off counters start from zero every call)."""
+    rng = np.random.default_rng([31, rows])
+    T = 40000
+    pos = [T - rows + i for i in range(rows)]
+    nb = (pos[-1] + 1) // 4
+    q, k, qm, km = make_selector_inputs(rng, rows, 4, bucket(nb), nb)
+    pm = mx.array(pos, dtype=mx.int32)
+    base = select_blocks_cuda(qm, km, pm)
+    for _ in range(3):
+        layer_form = select_blocks_cuda(qm.transpose(1, 0, 2)[None], km, pm)
+        for a, b in zip(base, layer_form, strict=True):
+            assert mx.array_equal(a, b).item()
+    if rows != 1:
+        return
+    qa, keys, values, kv_k, kv_v = real_attention_inputs(rng, T)
+    ids, valid = base[0], base[1]
+    q4 = bf16(qa[None, :, None])
+    ref = flash_decode_cuda(q4, kv_k, kv_v, ids[0], valid[0], mx.array([T], mx.int32), scale=0.0625)
+    for _ in range(3):
+        got = flash_decode_cuda(q4, kv_k, kv_v, ids, valid, scale=0.0625, pos=pm)
+        assert mx.array_equal(got, ref).item()
+    with pytest.raises(ValueError, match="exactly one of T and pos"):
+        flash_decode_cuda(q4, kv_k, kv_v, ids, valid, scale=0.0625)

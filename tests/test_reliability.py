@@ -126,9 +126,9 @@ class Spy:
         self._real = layer_mod.dispatch
 
     def __enter__(self) -> Spy:
-        def recording(cplan, q, keys, values, sel, positions, T, ratio, scale):
+        def recording(cplan, q, keys, values, sel, positions, T, ratio, scale, impl="portable"):
             self.seen.append(Seen(sel, np.array(positions), T, cplan.consumers))
-            return self._real(cplan, q, keys, values, sel, positions, T, ratio, scale)
+            return self._real(cplan, q, keys, values, sel, positions, T, ratio, scale, impl)
 
         self._patch = mock.patch.object(layer_mod, "dispatch", recording)
         self._patch.start()

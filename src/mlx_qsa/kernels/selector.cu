@@ -3,7 +3,7 @@
 // index_q [1, HI, S, 128] bf16 (the layer's layout), pooled [1, cap, 128] bf16, pos [S] int32
 // -> ids [S, K] int32, valid [S, K] bool, scores [S, K] float32 (selected ids ascending first, then
 //    empty slots 0 / false / -inf); with QSA_ROW_TOKENS also slots / slot_valid [S, K*RATIO+RATIO];
-//    scratch: adj [S, npad] float32 (npad = cap rounded up to 512), summ [S, npad / 32, L] uint32
+//    scratch: adj [S, npad] float32 (npad = cap rounded up to NT), summ [S, npad / 32, L] uint32
 //    (the L largest order keys of each 32-block chunk, 0 = none), nbs [S] int32, count [1] uint32
 //    (zeroed by the launch's init_value).
 // Phase 1: every CTA scores NT blocks for all rows (one thread per block key; S * HI <= 64).
@@ -27,7 +27,7 @@ __shared__ int cand_n;
 const int tid = threadIdx.x, lane = tid & 31;
 const int S = index_q_shape[2];
 const int cap = pooled_shape[1];
-const long long npad = ((long long)cap + 511) / 512 * 512;
+const long long npad = ((long long)cap + NT - 1) / NT * NT;
 const unsigned nctas = gridDim.x;
 for (int i = tid; i < S * HI * DI; i += NT) {
   const int r = i / (HI * DI), h = (i / DI) % HI, d = i % DI;

@@ -16,7 +16,7 @@ from . import _launch
 _MODES = ("blocks", "row_tokens")
 _L = 8  # summaries kept per 32-block chunk by the score pass
 _CAP = 4096  # candidates the top-k pass keeps in shared memory
-_NT = 512  # threads per CTA (blocks scored per CTA in phase 1)
+_NT = 256  # threads per CTA (blocks scored per CTA in phase 1; 512 runs out of registers)
 
 
 def _check(fn: str, index_q, pooled, pos, block_topk: int, ratio: int, mode: str) -> None:
