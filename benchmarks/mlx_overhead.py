@@ -36,6 +36,49 @@ def per_eval_us(n: int, reps: int = 200) -> float:
     return statistics.median(samples)
 
 
+def time_us(fn, reps: int = 200) -> float:
+    for _ in range(20):
+        mx.eval(fn())
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            mx.eval(fn())
+        mx.synchronize()
+        samples.append((time.perf_counter() - t0) / reps * 1e6)
+    return statistics.median(samples)
+
+
+def kernel_costs() -> dict[str, float]:
+    """µs per eval of one trivial `mx.fast.cuda_kernel` call: small source, the project's
+    common header (a large source), `init_value` with four outputs, and a host-made input."""
+    from pathlib import Path
+
+    header = (Path(__file__).parent.parent / "src/mlx_qsa/kernels/common.cuh").read_text()
+    body = "out[threadIdx.x] = inp[threadIdx.x] + 1.0f;"
+    small = mx.fast.cuda_kernel(name="ovh_small", input_names=["inp"], output_names=["out"],
+                                source=body)
+    big = mx.fast.cuda_kernel(name="ovh_big", input_names=["inp"], output_names=["out"],
+                              source=body, header=header)
+    four = mx.fast.cuda_kernel(name="ovh_four", input_names=["inp"],
+                               output_names=["out", "a", "b", "c"], source=body)
+    x = mx.zeros((256,), mx.float32)
+    mx.eval(x)
+
+    def call(k, n_out=1, **kw):
+        return k(inputs=[x], grid=(256, 1, 1), threadgroup=(256, 1, 1),
+                 output_shapes=[(256,)] * n_out, output_dtypes=[mx.float32] * n_out, **kw)[0]
+
+    return {
+        "x_plus_1": time_us(lambda: x + 1),
+        "kernel_small_source": time_us(lambda: call(small)),
+        "kernel_common_header": time_us(lambda: call(big)),
+        "kernel_four_outputs": time_us(lambda: call(four, 4)),
+        "kernel_four_outputs_init_value": time_us(lambda: call(four, 4, init_value=0)),
+        "host_array_plus_x": time_us(lambda: mx.array([5.0]) + x),
+    }
+
+
 def main() -> None:
     rows = {n: per_eval_us(n) for n in (1, 2, 4, 8, 16, 32)}
     slope = (rows[32] - rows[4]) / 28
@@ -45,6 +88,8 @@ def main() -> None:
         "us_per_eval_by_ops": rows,
         "us_per_primitive": slope,
     }
+    if mx.cuda.is_available():
+        doc["us_per_eval_single_call"] = kernel_costs()
     print(json.dumps(doc))
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:

@@ -301,22 +301,20 @@ __device__ void partial_attention(
 
 // Log-sum-exp merge of NSPLIT partials of one (head, row): thread d of D.
 // o: [NSPLIT, D] partial outputs, ml: [NSPLIT, 2]; writes bf16 out[d]. No token at all -> 0.
-// L2: read through L2 (__ldcg), for partials another CTA of the same launch wrote.
-template <int D, int NSPLIT, bool L2 = false>
+template <int D, int NSPLIT>
 __device__ void merge_splits(const float* o, const float* ml, int d, __nv_bfloat16* out) {
-  auto ld = [](const float* p) { return L2 ? __ldcg(p) : *p; };
   float M = neg_inf();
 #pragma unroll 16
-  for (int s = 0; s < NSPLIT; ++s) M = fmaxf(M, ld(ml + 2 * s));  // independent loads in flight
+  for (int s = 0; s < NSPLIT; ++s) M = fmaxf(M, ml[2 * s]);  // independent loads in flight
   float res = 0.f;
   if (M != neg_inf()) {
     float L = 0.f, acc = 0.f;
 #pragma unroll 16
     for (int s = 0; s < NSPLIT; ++s) {
-      float m = ld(ml + 2 * s);
+      float m = ml[2 * s];
       float w = (m == neg_inf()) ? 0.f : expf(m - M);
-      L = fmaf(w, ld(ml + 2 * s + 1), L);
-      acc = fmaf(w, ld(o + (long long)s * D + d), acc);
+      L = fmaf(w, ml[2 * s + 1], L);
+      acc = fmaf(w, o[(long long)s * D + d], acc);
     }
     res = acc / L;
   }

@@ -1,16 +1,13 @@
-//// kernel: decode
-// Flash sparse decode in one launch: split-K partials, and the last CTA of each KV head merges.
-// One CTA per (KV head j, split s) attends the G query heads of j over the tokens of its
-// BPS = TOK / RATIO entries of the list [selected blocks..., tail].
+//// kernel: partial
+// Flash sparse decode, pass 1 (split-K): one CTA per (KV head j, split s) attends the G query heads
+// of j over the tokens of its BPS = TOK / RATIO entries of the list [selected blocks..., tail].
 // q [1, H, 1, D] bf16; keys, values [1, HKV, cap, D] bf16 read in place (rows >= T never read);
-// block_ids [K] or [1, K] int32, block_valid likewise bool; tlen [1] int32: T - TOFF (TOFF 0:
-// the context length T; TOFF 1: the row's position) -> out [1, H, 1, D] bf16; scratch part_o [H, NSPLIT, D], part_ml [H, NSPLIT, 2]
-// float32, count [HKV] uint32 (zeroed by the launch's init_value). The merge reads the splits in
-// a fixed order (deterministic) through L2 (__ldcg). Template: D, G, TOK, RATIO, K, NSPLIT,
-// SCALE_BITS, NT, TOFF.
+// block_ids [K] or [1, K] int32, block_valid likewise bool (a selection's row, in place);
+// tlen [1] int32 = T - TOFF (TOFF 0: the context length T; TOFF 1: the row's position)
+// -> part_o [H, NSPLIT, D] float32 (unnormalised), part_ml [H, NSPLIT, 2] float32 (max, sum).
+// Template: D, G, TOK, RATIO, K, NSPLIT, SCALE_BITS, NT, TOFF.
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 __shared__ int tok_s[TOK];
-__shared__ bool last_s;
 constexpr int BPS = TOK / RATIO;
 const int tid = threadIdx.x;
 const int s = blockIdx.x % NSPLIT, j = blockIdx.x / NSPLIT;
@@ -42,15 +39,12 @@ qsa::partial_attention<D, G, TOK, NT>(
     part_o + ((long long)h0 * NSPLIT + s) * D, (long long)NSPLIT * D,
     part_ml + ((long long)h0 * NSPLIT + s) * 2, (long long)NSPLIT * 2,
     qsa_dyn_smem);
-__threadfence();
-__syncthreads();
-if (tid == 0) last_s = atomicAdd(count + j, 1u) == (unsigned)(NSPLIT - 1);
-__syncthreads();
-if (last_s) {
-  __threadfence();
-  for (int idx = tid; idx < G * D; idx += NT) {
-    const int h = h0 + idx / D, d = idx % D;
-    qsa::merge_splits<D, NSPLIT, true>(part_o + (long long)h * NSPLIT * D,
-                                       part_ml + (long long)h * NSPLIT * 2, d, out + (long long)h * D);
-  }
-}
+
+//// kernel: merge
+// Split-K merge: part_o [R, NSPLIT, D], part_ml [R, NSPLIT, 2] -> out [R, D] bf16 (R = H * S,
+// head-major, i.e. the layout of [1, H, S, D]). Fixed split order: deterministic.
+// Grid R * D threads of 64. Template: D, NSPLIT.
+const int rh = blockIdx.x / (D / 64);
+const int d = (blockIdx.x % (D / 64)) * 64 + threadIdx.x;
+qsa::merge_splits<D, NSPLIT>(part_o + (long long)rh * NSPLIT * D, part_ml + (long long)rh * NSPLIT * 2,
+                             d, out + (long long)rh * D);

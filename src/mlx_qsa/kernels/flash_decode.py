@@ -55,7 +55,7 @@ def flash_decode_portable(
     n_heads, n_kv, d = _check(
         "flash_decode_portable", q, keys, values, block_ids, block_valid, T, ratio
     )
-    K = block_ids.shape[0]
+    K = block_ids.shape[-1]
     r = mx.arange(ratio, dtype=mx.int32)
     tok_blk = (block_ids[:, None] * ratio + r).reshape(-1)
     ok_blk = mx.broadcast_to(block_valid[:, None], (K, ratio)).reshape(-1)
@@ -88,26 +88,23 @@ def flash_decode_cuda(
     ratio: int = 4,
     pos: mx.array | None = None,
 ) -> mx.array:
-    """Split-K flash decode on CUDA in one launch; see :func:`flash_decode_portable`.
+    """Split-K flash decode on CUDA (two kernels); see :func:`flash_decode_portable`.
 
     The list [selected blocks..., tail] is cut into ``32 / ratio`` entries per CTA, one CTA per
-    (KV head, split) for all its query heads, float32 online softmax; the last CTA of each KV head
-    merges the splits by log-sum-exp in a fixed order (deterministic). The context is ``T``
-    (int32 [1]) or, without a separate array, ``pos`` (int32 [1], the row's position = T - 1).
-    ``block_ids`` / ``block_valid`` may be ``[K]`` or ``[1, K]`` (a selection's row, in place).
+    (KV head, split) for all its query heads, float32 online softmax; a second kernel merges
+    the splits by log-sum-exp in a fixed order (deterministic). The context is ``T`` (int32
+    [1]) or, with no array made for it, ``pos`` (int32 [1], the row's position, T - 1);
+    ``block_ids`` / ``block_valid`` may be ``[K]`` or a selection's ``[1, K]`` (read in place).
     """
     fn = "flash_decode_cuda"
     if (T is None) == (pos is None):
         raise ValueError(f"{fn}: pass exactly one of T and pos")
     tlen = T if T is not None else pos
-    ids1 = block_ids.reshape(-1) if block_ids.ndim == 2 else block_ids
-    ok1 = block_valid.reshape(-1) if block_valid.ndim == 2 else block_valid
-    tcheck = tlen if tlen.shape == (1,) else tlen.reshape(-1)[:1]
-    n_heads, n_kv, d = _check(fn, q, keys, values, ids1, ok1, tcheck, ratio)
-    if block_ids.ndim == 2 and block_ids.shape[0] != 1:
-        raise ValueError(f"{fn}: block_ids must be [K] or [1, K], got {list(block_ids.shape)}")
-    if tlen.shape != (1,):
-        raise ValueError(f"{fn}: T / pos must have shape [1], got {list(tlen.shape)}")
+    if block_ids.ndim == 2 and block_ids.shape[0] == 1 and block_valid.shape == block_ids.shape:
+        ids1, ok1 = block_ids[0], block_valid[0]  # views, for the checks only
+    else:
+        ids1, ok1 = block_ids, block_valid
+    n_heads, n_kv, d = _check(fn, q, keys, values, ids1, ok1, tlen, ratio)
     _launch.require_cuda(fn)
     _launch.check_cuda_attention(fn, q, n_heads, n_kv, d, scale)
     if _TOK % ratio != 0:
@@ -116,15 +113,15 @@ def flash_decode_cuda(
     g = n_heads // n_kv
     nsplit = -(-(K + 1) // (_TOK // ratio))
     nt = _launch.ATTN_THREADS
-    kernel = _launch.build(
+    partial = _launch.build(
         "flash_decode.cu",
-        "decode",
+        "partial",
         ("q", "keys", "values", "block_ids", "block_valid", "tlen"),
-        ("out", "part_o", "part_ml", "count"),
+        ("part_o", "part_ml"),
         (),
         shared_memory=_launch.attn_smem_bytes(d, g, _TOK, nt),
     )
-    return kernel(
+    part_o, part_ml = partial(
         inputs=[q, keys, values, block_ids, block_valid, tlen],
         template=[
             ("D", d),
@@ -139,7 +136,15 @@ def flash_decode_cuda(
         ],
         grid=(n_kv * nsplit * nt, 1, 1),
         threadgroup=(nt, 1, 1),
-        output_shapes=[(1, n_heads, 1, d), (n_heads, nsplit, d), (n_heads, nsplit, 2), (n_kv,)],
-        output_dtypes=[q.dtype, mx.float32, mx.float32, mx.uint32],
-        init_value=0,  # the per-KV-head arrival counters start at 0
+        output_shapes=[(n_heads, nsplit, d), (n_heads, nsplit, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    merge = _launch.build("flash_decode.cu", "merge", ("part_o", "part_ml"), ("out",), ())
+    return merge(
+        inputs=[part_o, part_ml],
+        template=[("D", d), ("NSPLIT", nsplit)],
+        grid=(n_heads * d, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(1, n_heads, 1, d)],
+        output_dtypes=[q.dtype],
     )[0]

@@ -1,14 +1,12 @@
-//// kernel: gather
-// Rows-gather attention in one launch (split-K, the last CTA of each (row, KV head) merges): one CTA per (row, KV head j, split s) attends the G
+//// kernel: partial
+// Rows-gather attention, pass 1 (split-K): one CTA per (row, KV head j, split s) attends the G
 // query heads of j over slots [s * TOK, (s + 1) * TOK) of the row's slot list.
 // q [1, H, S, D] bf16; keys, values [1, HKV, cap, D] bf16 read in place; slots [S, W] int32,
 // slot_valid [S, W] bool (invalid slots contribute nothing)
-// -> out [1, H, S, D] bf16; scratch part_o [H * S, NSPLIT, D], part_ml [H * S, NSPLIT, 2] float32
-//    (head-major rows), count [S * HKV] uint32 (zeroed by init_value). Fixed-order merge through L2.
+// -> part_o [H * S, NSPLIT, D] float32, part_ml [H * S, NSPLIT, 2] float32 (head-major rows).
 // Template: D, G, TOK, HKV, W, NSPLIT, SCALE_BITS, NT (S from q's shape).
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 __shared__ int tok_s[TOK];
-__shared__ bool last_s;
 const int tid = threadIdx.x;
 const int S = q_shape[2];
 const int s = blockIdx.x % NSPLIT;
@@ -34,16 +32,12 @@ qsa::partial_attention<D, G, TOK, NT>(
     part_o + (((long long)h0 * S + row) * NSPLIT + s) * D, (long long)S * NSPLIT * D,
     part_ml + (((long long)h0 * S + row) * NSPLIT + s) * 2, (long long)S * NSPLIT * 2,
     qsa_dyn_smem);
-__threadfence();
-__syncthreads();
-if (tid == 0) last_s = atomicAdd(count + rj, 1u) == (unsigned)(NSPLIT - 1);
-__syncthreads();
-if (last_s) {
-  __threadfence();
-  for (int idx = tid; idx < G * D; idx += NT) {
-    const long long rh = (long long)(h0 + idx / D) * S + row;
-    const int d = idx % D;
-    qsa::merge_splits<D, NSPLIT, true>(part_o + rh * NSPLIT * D, part_ml + rh * NSPLIT * 2, d,
-                                       out + rh * D);
-  }
-}
+
+//// kernel: merge
+// Split-K merge, as in flash_decode.cu: part_o [R, NSPLIT, D], part_ml [R, NSPLIT, 2]
+// -> out [R, D] bf16 with R = H * S head-major ([1, H, S, D]). Grid R * D threads of 64.
+// Template: D, NSPLIT.
+const int rh = blockIdx.x / (D / 64);
+const int d = (blockIdx.x % (D / 64)) * 64 + threadIdx.x;
+qsa::merge_splits<D, NSPLIT>(part_o + (long long)rh * NSPLIT * D, part_ml + (long long)rh * NSPLIT * 2,
+                             d, out + (long long)rh * D);

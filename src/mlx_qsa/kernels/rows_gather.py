@@ -70,11 +70,10 @@ def rows_gather_cuda(
     *,
     scale: float,
 ) -> mx.array:
-    """Split-K rows-gather attention on CUDA in one launch; see :func:`rows_gather_portable`.
+    """Split-K rows-gather attention on CUDA (two kernels); see :func:`rows_gather_portable`.
 
     One CTA per (row, KV head, 32 or 64 slots) for all query heads of the KV head, float32
-    online softmax; the last CTA of each (row, KV head) merges the splits by log-sum-exp in a
-    fixed order.
+    online softmax, then a fixed-order log-sum-exp merge of the splits.
     """
     fn = "rows_gather_cuda"
     n_heads, rows, n_kv, d = _check(fn, q, keys, values, slots, slot_valid)
@@ -85,15 +84,15 @@ def rows_gather_cuda(
     tok = 32 if rows <= 4 else 64
     nsplit = -(-width // tok)
     nt = _launch.ATTN_THREADS
-    kernel = _launch.build(
+    partial = _launch.build(
         "rows_gather.cu",
-        "gather",
+        "partial",
         ("q", "keys", "values", "slots", "slot_valid"),
-        ("out", "part_o", "part_ml", "count"),
+        ("part_o", "part_ml"),
         (),
         shared_memory=_launch.attn_smem_bytes(d, g, tok, nt),
     )
-    return kernel(
+    part_o, part_ml = partial(
         inputs=[q, keys, values, slots, slot_valid],
         template=[
             ("D", d),
@@ -107,12 +106,15 @@ def rows_gather_cuda(
         ],
         grid=(rows * n_kv * nsplit * nt, 1, 1),
         threadgroup=(nt, 1, 1),
-        output_shapes=[
-            (1, n_heads, rows, d),
-            (n_heads * rows, nsplit, d),
-            (n_heads * rows, nsplit, 2),
-            (rows * n_kv,),
-        ],
-        output_dtypes=[q.dtype, mx.float32, mx.float32, mx.uint32],
-        init_value=0,  # the per-(row, KV head) arrival counters start at 0
+        output_shapes=[(n_heads * rows, nsplit, d), (n_heads * rows, nsplit, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    merge = _launch.build("rows_gather.cu", "merge", ("part_o", "part_ml"), ("out",), ())
+    return merge(
+        inputs=[part_o, part_ml],
+        template=[("D", d), ("NSPLIT", nsplit)],
+        grid=(n_heads * rows * d, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(1, n_heads, rows, d)],
+        output_dtypes=[q.dtype],
     )[0]

@@ -1,50 +1,34 @@
-//// kernel: select
-// Decode/short-row selector in one launch (QSA.md §8): block scores, then an exact top-K per row.
+//// kernel: score
+// Decode/short-row selector, pass 1: block scores and per-warp summaries (QSA.md §8.2).
 // index_q [1, HI, S, 128] bf16 (the layer's layout), pooled [1, cap, 128] bf16, pos [S] int32
-// -> ids [S, K] int32, valid [S, K] bool, scores [S, K] float32 (selected ids ascending first, then
-//    empty slots 0 / false / -inf); with QSA_ROW_TOKENS also slots / slot_valid [S, K*RATIO+RATIO];
-//    scratch: adj [S, npad] float32 (npad = cap rounded up to NT), summ [S, npad / 32, L] uint32
-//    (the L largest order keys of each 32-block chunk, 0 = none), nbs [S] int32, count [1] uint32
-//    (zeroed by the launch's init_value).
-// Phase 1: every CTA scores NT blocks for all rows (one thread per block key; S * HI <= 64).
-// Phase 2: the last S CTAs to finish phase 1 (ticket from `count`) each wait until all CTAs are
-// done, then select one row: u = the K-th largest summary key bounds the K-th largest adj from
-// below, so {adj >= u} holds the selection; those candidates go to shared memory and an exact
-// radix select (value, then ~id for ties) runs there (past CAP candidates it streams the row).
-// Reads of other CTAs' phase-1 output go through L2 (__ldcg). The grid has at least S CTAs, and
-// at most S of them wait, so the rest always get SMs. Dynamic shared memory: the queries
-// (64 * 128 floats), CAP candidate keys and ids, the bitmap. Template: HI, RATIO, L, K, CAP, NT.
+// -> adj [S, npad] float32 (only b < nb(row) written; npad = cap rounded up to 128),
+//    summ [S, npad / 32, L] uint32: the L largest order keys of each 32-block chunk, descending
+//    (0 = no block), nbs [S] int32: nb(row) = min((p + 1) / RATIO, cap).
+// One thread per block key, looping over the rows (S * HI <= 64); grid npad threads of 128.
+// Template: HI, RATIO, L.
 constexpr int DI = 128;
-constexpr int NW = NT / 32;
-extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
-float* qs = reinterpret_cast<float*>(qsa_dyn_smem);  // [S * HI, DI] queries (64 * DI floats)
+__shared__ __align__(16) float qs[64 * DI];
 __shared__ int nbs_s[64];
-__shared__ unsigned ticket_s;
-__shared__ unsigned hist[256];
-__shared__ unsigned ctl[4];
-__shared__ int scan_buf[NW + 1];
-__shared__ int cand_n;
-const int tid = threadIdx.x, lane = tid & 31;
+const int tid = threadIdx.x;
 const int S = index_q_shape[2];
 const int cap = pooled_shape[1];
-const long long npad = ((long long)cap + NT - 1) / NT * NT;
-const unsigned nctas = gridDim.x;
-for (int i = tid; i < S * HI * DI; i += NT) {
+const long long npad = ((long long)cap + 127) / 128 * 128;
+for (int i = tid; i < S * HI * DI; i += blockDim.x) {  // qs[(r * HI + h) * DI + d]
   const int r = i / (HI * DI), h = (i / DI) % HI, d = i % DI;
   qs[i] = qsa::bf_to_f(index_q[((long long)h * S + r) * DI + d]);
 }
-for (int r = tid; r < S; r += NT) {
+for (int r = tid; r < S; r += blockDim.x) {
   const int p = pos[r];
   const int nb = p >= 0 ? (p + 1) / RATIO : 0;
   nbs_s[r] = nb < cap ? nb : cap;
   if (blockIdx.x == 0) nbs[r] = nbs_s[r];
 }
 __syncthreads();
-{
 int maxnb = 0;
 for (int r = 0; r < S; ++r) maxnb = max(maxnb, nbs_s[r]);
-const int b = blockIdx.x * NT + tid;
-if ((b & ~31) < maxnb) {  // warp-uniform: whole warps past every row's blocks skip phase 1
+const int b = blockIdx.x * blockDim.x + tid;
+if ((b & ~31) >= maxnb) return;  // whole warp past every row's blocks
+
 uint4 kv[16];
 if (b < maxnb) {
   const uint4* kp = reinterpret_cast<const uint4*>(pooled + (long long)b * DI);
@@ -98,27 +82,34 @@ for (int r = 0; r < S; ++r) {
     if (bal != 0u && lane == __ffs(bal) - 1) key = 0u;
   }
 }
-}
-}
 
-// Hand-off: the last S CTAs wait for every CTA's phase-1 writes, then select one row each.
-__threadfence();
-__syncthreads();
-if (tid == 0) ticket_s = atomicAdd(count, 1u);
-__syncthreads();
-if (ticket_s + (unsigned)S < nctas) return;  // uniform per CTA
-const int row = (int)(ticket_s + (unsigned)S - nctas);
-if (tid == 0) {
-  while (atomicAdd(count, 0u) < nctas) __nanosleep(64);
-  __threadfence();
-}
-__syncthreads();
-unsigned* cand_key = reinterpret_cast<unsigned*>(qsa_dyn_smem + 64 * DI * 4);
+//// kernel: topk
+// Decode/short-row selector, pass 2: exact top-K in the order (adj desc, id asc), one CTA per row.
+// adj, summ, nbs from pass 1, pos [S] int32
+// -> ids [S, K] int32, valid [S, K] bool, scores [S, K] float32: selected ids ascending first,
+//    then empty slots (0, false, -inf); with QSA_ROW_TOKENS also slots / slot_valid
+//    [S, K * RATIO + RATIO] (RUNTIME.md §7 row tokens).
+// Method: u = the K-th largest summary key is a lower bound of the K-th largest adj (the summaries
+// are real blocks), so {adj >= u} holds the whole selection; those candidates go to shared memory
+// and an exact radix select (value, then ~id for ties) runs there. Past CAP candidates the same
+// select streams every block from global memory instead (slow, exact).
+// Template: K, RATIO, L, CAP, NT; dynamic shared memory CAP * 8 + 4 * (bitmap words).
+constexpr int NW = NT / 32;
+extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
+unsigned* cand_key = reinterpret_cast<unsigned*>(qsa_dyn_smem);
 int* cand_id = reinterpret_cast<int*>(cand_key + CAP);
 unsigned* bitmap = reinterpret_cast<unsigned*>(cand_id + CAP);
+__shared__ unsigned hist[256];
+__shared__ unsigned ctl[4];
+__shared__ int scan_buf[NW + 1];
+__shared__ int cand_n;
+
+const int tid = threadIdx.x, lane = tid & 31;
+const int row = blockIdx.x;
+const long long npad = adj_shape[1];
 const int p = pos[row];
 const int nb_raw = p >= 0 ? (p + 1) / RATIO : 0;
-const int nb = nbs_s[row];
+const int nb = nbs[row];
 (void)nb_raw;
 const float* adj_row = adj + row * npad;
 const unsigned* summ_row = summ + row * (npad / 32) * L;
@@ -139,7 +130,7 @@ if (tid < RATIO) {
 auto emit = [&](int i, int blk) {
   ids_row[i] = blk;
   valid_row[i] = true;
-  sc_row[i] = __ldcg(adj_row + blk);
+  sc_row[i] = adj_row[blk];
 #ifdef QSA_ROW_TOKENS
 #pragma unroll
   for (int r = 0; r < RATIO; ++r) {
@@ -179,7 +170,7 @@ while (Lu > 1 && nwords * (Lu / 2) >= 2 * K) Lu >>= 1;
 unsigned u = 0u;
 if (nwords * Lu >= K) {
   auto get_s = [&](int i, unsigned& key) {
-    key = __ldcg(summ_row + (i / Lu) * L + (i % Lu));
+    key = summ_row[(i / Lu) * L + (i % Lu)];
     return true;
   };
   u = qsa::block_select_desc<NT>(nwords * Lu, K, get_s, hist, ctl).t;
@@ -192,7 +183,7 @@ const float uf = qsa::key_float(u);
 for (int base = 0; base < nb; base += NT * 4) {
   const int b0 = base + tid * 4;
   float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (b0 < nb) v = __ldcg(reinterpret_cast<const float4*>(adj_row + b0));
+  if (b0 < nb) v = *reinterpret_cast<const float4*>(adj_row + b0);
   const float vals[4] = {v.x, v.y, v.z, v.w};
   bool tk[4];
   bool any = false;
@@ -230,7 +221,7 @@ auto get_c = [&](int i, unsigned& key) {
   return true;
 };
 auto get_g = [&](int i, unsigned& key) {
-  key = qsa::ord_key(__ldcg(adj_row + i));
+  key = qsa::ord_key(adj_row[i]);
   return key >= u;
 };
 qsa::SelectResult r1;
@@ -245,7 +236,7 @@ if (r1.k_rem != r1.n_eq) {
   };
   auto tie_g = [&](int i, unsigned& key) {
     key = ~(unsigned)i;
-    return qsa::ord_key(__ldcg(adj_row + i)) == t;
+    return qsa::ord_key(adj_row[i]) == t;
   };
   unsigned t2;
   if (in_smem) t2 = qsa::block_select_desc<NT>(ncand, r1.k_rem, tie_c, hist, ctl).t;
@@ -262,7 +253,7 @@ if (in_smem) {
   }
 } else {
   for (int i = tid; i < nb; i += NT) {
-    const unsigned key = qsa::ord_key(__ldcg(adj_row + i));
+    const unsigned key = qsa::ord_key(adj_row[i]);
     if (key > t || (key == t && (unsigned)i <= idmax)) atomicOr(&bitmap[i >> 5], 1u << (i & 31));
   }
 }

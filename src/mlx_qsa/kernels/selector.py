@@ -16,7 +16,7 @@ from . import _launch
 _MODES = ("blocks", "row_tokens")
 _L = 8  # summaries kept per 32-block chunk by the score pass
 _CAP = 4096  # candidates the top-k pass keeps in shared memory
-_NT = 256  # threads per CTA (blocks scored per CTA in phase 1; 512 runs out of registers)
+_NT_TOPK = 512
 
 
 def _check(fn: str, index_q, pooled, pos, block_topk: int, ratio: int, mode: str) -> None:
@@ -124,22 +124,21 @@ def select_blocks_cuda(
     ratio: int = 4,
     mode: str = "blocks",
 ):
-    """Fused block scoring + exact top-k on CUDA, one launch; see :func:`select_blocks_portable`.
+    """Fused block scoring + exact top-k on CUDA (two kernels); see :func:`select_blocks_portable`.
 
-    ``index_q`` is ``[S, H_I, d_I]`` as for the twin, or the layer's ``[1, H_I, S, d_I]`` (read in
-    place, no transpose). Phase 1 scores every block key once for all rows (one thread per block,
-    many CTAs) and keeps per-chunk summaries; the last S CTAs then bound each row's K-th score
-    from the summaries, gather the few candidates above it into shared memory and radix-select
-    them exactly (selector.cu).
+    ``index_q`` is ``[S, H_I, d_I]`` as for the twin, or the layer's ``[1, H_I, S, d_I]`` (read
+    in place).
+
+    Pass 1 scores every block key once for all rows (one thread per block, many CTAs) and keeps
+    per-chunk summaries; pass 2 (one CTA per row) bounds the K-th score from the summaries,
+    gathers the few candidates above it into shared memory and radix-selects them exactly.
     """
     fn = "select_blocks_cuda"
-    if index_q.ndim == 4:
+    q4 = None
+    if index_q.ndim == 4:  # the layer's layout, read in place (no transpose, no copy)
         if index_q.shape[0] != 1:
             raise ValueError(f"{fn}: index_q must be [1, H_I, S, d_I], got {list(index_q.shape)}")
-        q4 = index_q
-        index_q = index_q[0].transpose(1, 0, 2)  # lazy view, for the shape checks only
-    else:
-        q4 = None
+        q4, index_q = index_q, index_q[0].transpose(1, 0, 2)  # the view serves the checks
     _check(fn, index_q, pooled, pos, block_topk, ratio, mode)
     _launch.require_cuda(fn)
     S, n_heads, d_i = index_q.shape
@@ -157,17 +156,31 @@ def select_blocks_cuda(
     if q4 is None:
         q4 = index_q.transpose(1, 0, 2)[None]
     K = block_topk
-    npad = -(-cap // _NT) * _NT
-    n_cta = max(npad // _NT, S)
+    npad = -(-cap // 128) * 128
+    score = _launch.build(
+        "selector.cu",
+        "score",
+        ("index_q", "pooled", "pos"),
+        ("adj", "summ", "nbs"),
+        (),
+        ensure_row_contiguous=True,
+    )
+    adj, summ, nbs = score(
+        inputs=[q4, pooled, pos],
+        template=[("HI", n_heads), ("RATIO", ratio), ("L", _L)],
+        grid=(npad, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(S, npad), (S, npad // 32 * _L), (S,)],
+        output_dtypes=[mx.float32, mx.uint32, mx.int32],
+    )
     rows = mode == "row_tokens"
     outputs = ("ids", "valid", "scores") + (("slots", "slot_valid") if rows else ())
-    outputs += ("adj", "summ", "nbs", "count")
     # One size class per bitmap bound, so the dynamic shared memory never changes under a name.
-    smem = 64 * 128 * 4 + _CAP * 8 + 4 * max(2048, npad // 32)
-    kernel = _launch.build(
+    smem = _CAP * 8 + 4 * max(2048, npad // 32)
+    topk = _launch.build(
         "selector.cu",
-        "select",
-        ("index_q", "pooled", "pos"),
+        "topk",
+        ("adj", "summ", "nbs", "pos"),
         outputs,
         (mode,),
         shared_memory=smem,
@@ -179,22 +192,13 @@ def select_blocks_cuda(
     if rows:
         shapes += [(S, K * ratio + ratio)] * 2
         dtypes += [mx.int32, mx.bool_]
-    shapes += [(S, npad), (S, npad // 32 * _L), (S,), (1,)]
-    dtypes += [mx.float32, mx.uint32, mx.int32, mx.uint32]
-    out = kernel(
-        inputs=[q4, pooled, pos],
-        template=[
-            ("HI", n_heads),
-            ("RATIO", ratio),
-            ("L", _L),
-            ("K", K),
-            ("CAP", _CAP),
-            ("NT", _NT),
-        ],
-        grid=(n_cta * _NT, 1, 1),
-        threadgroup=(_NT, 1, 1),
-        output_shapes=shapes,
-        output_dtypes=dtypes,
-        init_value=0,  # the hand-off counter starts at 0 (other outputs are all written)
+    return tuple(
+        topk(
+            inputs=[adj, summ, nbs, pos],
+            template=[("K", K), ("RATIO", ratio), ("L", _L), ("CAP", _CAP), ("NT", _NT_TOPK)],
+            grid=(S * _NT_TOPK, 1, 1),
+            threadgroup=(_NT_TOPK, 1, 1),
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+        )
     )
-    return tuple(out[: len(outputs) - 4])
