@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from test_sharding import SRC, _free_base_port, _have_ring
 
 from mlx_qsa import bench
 from mlx_qsa.cli import build_parser
@@ -85,3 +91,26 @@ def test_argument_errors() -> None:
     with pytest.raises(SystemExit):
         _args("decode", "--rows", "0")
     assert bench._int_list("8k,32768") == (8192, 32768)
+
+
+@pytest.mark.skipif(not _have_ring(), reason="mlx.launch / the ring backend is not available")
+def test_tp_over_the_ring_backend(tmp_path) -> None:
+    """`bench decode --tp 2` under mlx.launch: rank 0 writes the document; both ranks checked
+    their sharded output against the unsharded layer (the command fails otherwise)."""
+    out = tmp_path / "tp.json"
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    cmd = [
+        launcher, "--backend", "ring", "-n", "2", "-p", str(_free_base_port(2)), "--",
+        sys.executable, "-m", "mlx_qsa", "bench", "decode", "--tp", "2", "--contexts", "2100",
+        "--rows", "1,2", "--repeats", "1", "--warmup", "1", "--out", str(out),
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["tp"] == 2 and doc["rank"] == 0
+    for p in doc["points"]:
+        assert p["rel_err_vs_unsharded"] <= bench.REL_TOL
+        assert p["all_sum_bytes"] == p["rows"] * 2560 * 2
+        assert p["step"]["median_us"] > 0 and p["all_sum"]["median_us"] > 0

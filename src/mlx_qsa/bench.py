@@ -438,6 +438,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     bw = copy_bandwidth(args.copy_bytes)
     layers: dict[str, QSAAttention] = {}
     if not args.no_layer:
+        mx.random.seed(0)
         base = QSAAttention(cfg, fused=4)
         base.set_dtype(mx.bfloat16)
         for impl in impls:
@@ -474,6 +475,7 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     S = args.chunk
     backend = backend_name()
     impls = ("cuda", "portable") if backend == "cuda" and not args.portable_only else ("portable",)
+    mx.random.seed(0)
     base = QSAAttention(cfg, fused=4)
     base.set_dtype(mx.bfloat16)
     points = []
@@ -549,6 +551,7 @@ def run_tp(args: argparse.Namespace) -> dict[str, Any]:
         )
     cfg = QSAConfig()
     rows_list = args.rows if args.mode == "decode" else (args.chunk,)
+    mx.random.seed(0)  # every rank builds the same unsharded weights, then keeps its shard
     full = QSAAttention(cfg, fused=4)
     full.set_dtype(mx.bfloat16)
     mx.eval(full.parameters())
@@ -596,6 +599,13 @@ def run_tp(args: argparse.Namespace) -> dict[str, Any]:
                     f"all_sum={rec['all_sum']['median_us']:.1f}us",
                     flush=True,
                 )
+    bad = [p for p in points if not p["rel_err_vs_unsharded"] <= REL_TOL]
+    if bad:
+        raise SystemExit(
+            f"bench --tp {args.tp}: rank {group.rank()} output differs from the unsharded "
+            f"layer's (relative error {bad[0]['rel_err_vs_unsharded']:.3g} > {REL_TOL}) at "
+            f"T={bad[0]['context']}, rows={bad[0]['rows']}"
+        )
     return {"tp": args.tp, "rank": group.rank(), "points": points}
 
 
