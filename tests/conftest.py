@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 import mlx_qsa.layer as layer_mod
-from mlx_qsa.config import QSAConfig
+from mlx_qsa.config import QSAConfig, QSAOptions
+from mlx_qsa.layer import QSAAttention
+from mlx_qsa.plan import Capabilities
 
 # Relative Frobenius error of outputs / states against the float64 oracle (issue 3).
 TOLERANCES = {mx.bfloat16: 1e-2, mx.float32: 1e-4}
@@ -67,6 +69,27 @@ def synthetic_weights(cfg: QSAConfig, dtype: mx.Dtype = mx.bfloat16, seed: int =
         a = np.random.default_rng([seed, 4 + k]).standard_normal(n, np.float32)
         w[f"{name}.weight"] = mx.array(1 + 0.1 * a).astype(dtype)
     return w
+
+
+def build(
+    cfg: QSAConfig,
+    dtype: mx.Dtype = mx.bfloat16,
+    fused: int = 4,
+    options: QSAOptions | None = None,
+    caps: Capabilities | None = None,
+    seed: int = 7,
+) -> tuple[QSAAttention, dict]:
+    """A layer from HF-named synthetic weights; returns (layer, float64 HF weights)."""
+    w = synthetic_weights(cfg, dtype, seed)
+    layer = QSAAttention.from_hf(
+        cfg.to_dict(),
+        w,
+        fused=fused,
+        options=options or QSAOptions.trace(),
+        zero_centered_norms=False,
+        capabilities=caps,
+    )
+    return layer, {k: as_f64(v) for k, v in w.items()}
 
 
 def hidden_rows(n: int, width: int, dtype: mx.Dtype = mx.bfloat16, seed: int = 11) -> mx.array:

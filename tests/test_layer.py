@@ -21,6 +21,7 @@ from conftest import (
     TOLERANCES,
     Seen,
     as_f64,
+    build,
     hidden_rows,
     rel_err,
     small_config,
@@ -41,27 +42,6 @@ DTYPE_IDS = {BF16: "bf16", F32: "f32"}
 
 
 # -- building layers ---------------------------------------------------------------------
-
-
-def build(
-    cfg: QSAConfig,
-    dtype: mx.Dtype = BF16,
-    fused: int = 4,
-    options: QSAOptions | None = None,
-    caps: Capabilities | None = None,
-    seed: int = 7,
-) -> tuple[QSAAttention, dict]:
-    """A layer from HF-named synthetic weights; returns (layer, float64 HF weights)."""
-    w = synthetic_weights(cfg, dtype, seed)
-    layer = QSAAttention.from_hf(
-        cfg.to_dict(),
-        w,
-        fused=fused,
-        options=options or QSAOptions.trace(),
-        zero_centered_norms=False,
-        capabilities=caps,
-    )
-    return layer, {k: as_f64(v) for k, v in w.items()}
 
 
 def no_indexer(cfg: QSAConfig) -> QSAConfig:

@@ -23,7 +23,14 @@ from unittest import mock
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import TOLERANCES, as_f64, hidden_rows, rel_err, small_config, synthetic_weights
+from conftest import (
+    TOLERANCES,
+    as_f64,
+    build,
+    hidden_rows,
+    rel_err,
+    small_config,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -82,27 +89,6 @@ def geometries(draw: st.DrawFn) -> Geometry:
         r, k, draw(st.integers(1, 4)), draw(st.sampled_from((0, 3, 4))),
         draw(st.sampled_from((F32, BF16))),
     )  # fmt: skip
-
-
-def build(
-    cfg: QSAConfig,
-    dtype: mx.Dtype,
-    fused: int,
-    options: QSAOptions | None = None,
-    caps: Capabilities | None = None,
-    seed: int = 7,
-) -> tuple[QSAAttention, dict]:
-    """A layer from HF-named synthetic weights, and those weights in float64 (the oracle's)."""
-    w = synthetic_weights(cfg, dtype, seed)
-    layer = QSAAttention.from_hf(
-        cfg.to_dict(),
-        w,
-        fused=fused,
-        options=options or QSAOptions.trace(),
-        zero_centered_norms=False,
-        capabilities=caps,
-    )
-    return layer, {k: as_f64(v) for k, v in w.items()}
 
 
 # -- observing selections -----------------------------------------------------------------
