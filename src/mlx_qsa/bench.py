@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -543,6 +544,7 @@ def _progress_prefill(rec: dict[str, Any]) -> None:
 
 def run_tp(args: argparse.Namespace) -> dict[str, Any]:
     """The sharded layer at each context: output vs the unsharded layer, step time, all_sum."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (NCCL hosts)
     group = mx.distributed.init()
     if group.size() != args.tp:
         raise SystemExit(
