@@ -70,14 +70,29 @@ def test_prefill_document(tmp_path) -> None:
     out = tmp_path / "p.json"
     args = _args(
         "prefill", "--contexts", "2048", "--chunk", "64", "--sets", "1", "--repeats", "1",
-        "--warmup", "1", "--out", str(out),
+        "--warmup", "1", "--ceiling-n", "256", "--out", str(out),
     )  # fmt: skip
     assert bench.run(args) == 0
     doc = json.loads(out.read_text())
     (p,) = doc["points"]
     assert (p["prefix"], p["rows"]) == (2048, 64)
-    assert p["timings"]["qsa_portable_layer"]["median_us"] > 0
-    assert p["timings"]["qsa_portable_layer"]["consumers"]
+    t = p["timings"]
+    assert t["qsa_portable_layer"]["median_us"] > 0
+    assert t["qsa_portable_layer"]["consumers"]
+    for part in ("selection", "attention", "selection_attention"):
+        assert t[f"qsa_portable_{part}"]["median_us"] > 0
+    assert t["qsa_portable_attention"]["consumers"] == ["prefill_gather", "rows_gather"]
+    # rows 2048..2111: nb = (p + 1) // 4 blocks scored per row and head, 4 heads x 128
+    nb = sum((q + 1) // 4 for q in range(2048, 2112))
+    assert p["flops"]["indexer"] == 2 * 4 * 128 * nb
+    toks = sum(min((q + 1) // 4, 512) * 4 + (q + 1) % 4 for q in range(2048, 2112))
+    assert p["flops"]["sparse_attention"] == 4 * 24 * 256 * toks
+    assert doc["matmul_ceiling"]["tflops"] > 0
+    r = p["rates"]["qsa_portable_attention"]
+    assert r["tflops"] == pytest.approx(
+        toks * 4 * 24 * 256 / t["qsa_portable_attention"]["median_us"] / 1e6
+    )
+    assert r["of_ceiling"] == pytest.approx(r["tflops"] / doc["matmul_ceiling"]["tflops"])
 
 
 def test_tp_needs_a_matching_group() -> None:

@@ -485,7 +485,12 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         rec: dict[str, Any] = {"prefix": P, "rows": S, "timings": {}}
         caches = [random_cache(base, T, S, seed=i) for i in range(args.sets)]
         xs = [layer_rows(cfg, S, seed=i) for i in range(args.sets)]
+        sets = [DecodeSet(cfg, T, S, seed=7 * T + i) for i in range(args.sets)]
+        work = prefill_flops(cfg, P, S)
+        rec["flops"] = work
         for impl in impls:
+            comp = prefill_components(cfg, sets, impl, args)
+            rec["timings"].update({f"qsa_{impl}_{k}": v for k, v in comp.items()})
             opts = QSAOptions(kernels="auto" if impl == "cuda" else "portable")
             lay = QSAAttention(cfg, options=opts, fused=4)
             lay.update(base.parameters())
@@ -498,14 +503,90 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
             t = time_mlx(step, args.sets, args.warmup, args.repeats)
             t["consumers"] = list(lay.last_call.consumers)
             rec["timings"][f"qsa_{impl}_layer"] = t
+        del sets
         torch = _torch_cuda() if not args.no_torch else None
         if torch is not None:
             rec["timings"]["torch_dense_causal_sdpa"] = _torch_prefill(cfg, T, S, args)
+            rec["flops"]["dense_causal_attention"] = (
+                4 * cfg.num_attention_heads * cfg.head_dim * (S * P + S * (S + 1) // 2)
+            )
         else:
             rec["skipped"] = {"torch_dense_causal_sdpa": "torch with CUDA is not importable here"}
         points.append(rec)
         _progress_prefill(rec)
-    return {"points": points}
+    return {"matmul_ceiling": matmul_ceiling(args.ceiling_n), "points": points}
+
+
+def prefill_flops(cfg: QSAConfig, P: int, S: int) -> dict[str, int]:
+    """Useful FLOPs of one chunk: indexer scoring (every visible block, every head), sparse
+    attention (QK and PV over each row's selected tokens)."""
+    r, K = cfg.indexer_compress_ratio, cfg.block_topk
+    H_I, d_I = cfg.indexer_n_heads, cfg.indexer_head_dim
+    H, d = cfg.num_attention_heads, cfg.head_dim
+    nb = [(p + 1) // r for p in range(P, P + S)]
+    tokens = [min(b, K) * r + (p + 1) % r for b, p in zip(nb, range(P, P + S), strict=True)]
+    return {"indexer": 2 * H_I * d_I * sum(nb), "sparse_attention": 4 * H * d * sum(tokens)}
+
+
+def prefill_components(
+    cfg: QSAConfig, sets: list[DecodeSet], impl: str, args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """Selection (scoring + exact top-k, RUNTIME §6.3 chunks) and attention (the routed
+    prefill consumer) of the chunk's rows, timed apart and together."""
+    r, K = cfg.indexer_compress_ratio, cfg.block_topk
+    caps = plan.Capabilities.reference()
+    S, P = sets[0].rows, sets[0].T - sets[0].rows
+    call = plan.CallShape(S, P, r, K)
+    producer = plan.prefill_score_producer(caps, "bfloat16", "bfloat16")
+
+    def select(s: DecodeSet) -> Selection:
+        keys_t = s.pooled[0].astype(mx.float32).T
+        chunk = plan.selector_chunk_rows("prefill_blocks", S, keys_t.shape[1], producer=producer)
+        ids, valid, scores = select_rows(
+            s.index_q, keys_t, block_penalty(keys_t.shape[1]), s.positions, r, K, chunk,
+            s.pooled, impl,
+        )  # fmt: skip
+        return Selection("prefill_blocks", ids=ids, valid=valid, scores=scores)
+
+    contract = plan.prefill_flash_contract(
+        n_heads=cfg.num_attention_heads,
+        kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        block_topk=K,
+        dtype="bfloat16",
+        scale=cfg.scale,
+    )
+    cplan = plan.plan_consumers(
+        QSAOptions(), caps, call, "prefill_blocks", has_indexer=True,
+        prefill_flash_contract=contract,
+    )  # fmt: skip
+
+    def attend(s: DecodeSet, sel: Selection) -> mx.array:
+        return dispatch(cplan, s.q, s.keys, s.values, sel, s.positions, s.T, r, cfg.scale, impl)
+
+    sels = [select(s) for s in sets]
+    mx.eval([(x.ids, x.valid) for x in sels])
+    n, w, k = len(sets), args.warmup, args.repeats
+    out = {
+        "selection": time_mlx(lambda i: select(sets[i]).ids, n, w, k),
+        "attention": time_mlx(lambda i: attend(sets[i], sels[i]), n, w, k),
+        "selection_attention": time_mlx(lambda i: attend(sets[i], select(sets[i])), n, w, k),
+    }
+    out["attention"]["consumers"] = list(cplan.consumers)
+    return out
+
+
+def matmul_ceiling(n: int, repeats: int = 5) -> dict[str, Any]:
+    """bf16 matrix-unit rate of this device: an n x n x n matmul, best of `repeats`."""
+    a = mx.random.normal((n, n), key=mx.random.key(1)).astype(mx.bfloat16)
+    b = mx.random.normal((n, n), key=mx.random.key(2)).astype(mx.bfloat16)
+    mx.eval(a, b, a @ b)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(a @ b)
+        best = min(best, time.perf_counter() - t0)
+    return {"n": n, "tflops": 2 * n**3 / best / 1e12}
 
 
 def _torch_prefill(cfg: QSAConfig, T: int, S: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -532,6 +613,28 @@ def _torch_prefill(cfg: QSAConfig, T: int, S: int, args: argparse.Namespace) -> 
     out = time_torch(step, args.sets, args.warmup, args.repeats)
     out["note"] = "K/V expanded to 24 heads; lower-right causal mask"
     return out
+
+
+def prefill_rates(doc_body: dict[str, Any]) -> None:
+    """Achieved TFLOP/s of each timed column against the measured matmul ceiling (in place)."""
+    ceiling = doc_body["matmul_ceiling"]["tflops"]
+    for p in doc_body["points"]:
+        f = p["flops"]
+        rates = {}
+        for name, t in p["timings"].items():
+            if name.endswith("_selection"):
+                flops = f["indexer"]
+            elif name.endswith("_attention"):
+                flops = f["sparse_attention"]
+            elif name.endswith("_selection_attention"):
+                flops = f["indexer"] + f["sparse_attention"]
+            elif name == "torch_dense_causal_sdpa":
+                flops = f["dense_causal_attention"]
+            else:
+                continue
+            tf = flops / (t["median_us"] * 1e-6) / 1e12
+            rates[name] = {"tflops": tf, "of_ceiling": tf / ceiling}
+        p["rates"] = rates
 
 
 def _progress_prefill(rec: dict[str, Any]) -> None:
@@ -643,6 +746,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
+    p.add_argument(
+        "--ceiling-n", type=int, default=None, help="matmul size of the ceiling (prefill)"
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel group size (mx.distributed)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch peer")
     p.add_argument("--no-layer", action="store_true", help="skip the whole-layer columns")
@@ -654,6 +760,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.contexts is None:
         args.contexts = DEFAULT_CONTEXTS if args.mode == "decode" else PREFILL_CONTEXTS
+    if args.ceiling_n is None:
+        args.ceiling_n = 8192 if backend_name() == "cuda" else 1024
     if args.sets < 1 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("bench: --sets and --repeats must be >= 1, --warmup >= 0")
     backend = backend_name()
@@ -662,6 +770,8 @@ def run(args: argparse.Namespace) -> int:
         body = run_tp(args)
     else:
         body = run_decode(args) if args.mode == "decode" else run_prefill(args)
+        if args.mode == "prefill":
+            prefill_rates(body)
     env = environment(backend)
     doc = {
         "bench": args.mode,
