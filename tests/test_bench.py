@@ -63,6 +63,11 @@ def test_decode_document(tmp_path) -> None:
         )
         if not cuda:
             assert "torch" in p["skipped"]["torch_dense_sdpa"]
+        prim = p["primitives"]
+        for name in ("qsa_portable", "qsa_portable_layer"):
+            assert prim[name]["total"] == sum(prim[name]["by_kind"].values()) > 0
+        assert prim["qsa_portable"]["by_kind"]["Matmul"] >= 2  # scores, then attention
+        assert prim["qsa_portable_layer"]["total"] > prim["qsa_portable"]["total"]
     assert doc["bandwidth"]["gbps"] > 0
 
 

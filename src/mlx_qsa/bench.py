@@ -194,6 +194,19 @@ def qsa_step(cfg: QSAConfig, s: DecodeSet, impl: str) -> tuple[mx.array, Selecti
     return o, sel
 
 
+def primitive_counts(*arrays: mx.array) -> dict[str, Any]:
+    """MLX primitives still to run for `arrays` (their unevaluated graph), by kind: each one
+    costs host time on every step (PERFORMANCE.md §4, §7.5)."""
+    import collections
+    import io
+    import re
+
+    f = io.StringIO()
+    mx.export_to_dot(f, *arrays)
+    kinds = collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', f.getvalue()))
+    return {"total": sum(kinds.values()), "by_kind": dict(kinds.most_common())}
+
+
 def token_lists(sel: Selection, positions: np.ndarray, ratio: int) -> list[np.ndarray]:
     """Per row, the token positions the selection attends (blocks' tokens, then the tail)."""
     ids, valid = np.array(sel.ids), np.array(sel.valid)
@@ -363,6 +376,8 @@ def bench_decode_point(
     scale = cfg.scale
     # correctness first (set 0): selections, outputs against float64 over the same tokens
     outs = {impl: qsa_step(cfg, sets[0], impl) for impl in impls}
+    # counted before anything runs (then the graph is gone)
+    rec["primitives"] = {f"qsa_{impl}": primitive_counts(o) for impl, (o, _) in outs.items()}
     base_sel = outs["portable"][1]
     pos = np.array(sets[0].positions)
     tokens = token_lists(base_sel, pos, cfg.indexer_compress_ratio)
@@ -405,6 +420,10 @@ def bench_decode_point(
                 caches[i].trim(rows)  # back to T - rows: every step sees context T
                 return y
 
+            y = layer(xs[0], cache=caches[0])  # one step's graph, counted before it runs
+            rec["primitives"][f"qsa_{impl}_layer"] = primitive_counts(y, *caches[0].state)
+            mx.eval(y, *caches[0].state)
+            caches[0].trim(rows)
             t[f"qsa_{impl}_layer"] = time_mlx(layer_step, n, warm, reps)
             t[f"qsa_{impl}_layer"]["consumers"] = list(layer.last_call.consumers)
     torch = _torch_cuda() if not args.no_torch else None
