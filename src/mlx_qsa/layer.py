@@ -123,6 +123,7 @@ class QSAAttention(nn.Module):
         self.counters: dict[str, int] = dict.fromkeys(plan.LIBRARY_COUNTERS, 0)
         self.last_call: CallInfo | None = None
         self.shard_layout = None  # set by shard(): this rank's heads (sharding.ShardLayout)
+        self._call_rows: tuple | None = None  # (P, T, positions, cos, sin) of a text call
 
     # -- construction helpers ----------------------------------------------------------
     @classmethod
@@ -318,6 +319,10 @@ class QSAAttention(nn.Module):
         q_lin, k_lin, v_lin, qk_rows = self._project(x, with_query=not state_only)
         pos = self._positions(P, T, vision)
         cos, sin = rope_tables(pos, cfg)
+        # Text rows: the indexer's rows and the consumers use these same positions and tables
+        # (fewer primitives per step; every MLX primitive costs host time).
+        text = vision is None or not cfg.has_mrope_axes
+        self._call_rows = (P, T, pos, cos, sin) if text else None
         if q_lin is not None:
             qg = q_lin.reshape(1, S, H, 2, d)
             q = rms_norm(qg[..., 0, :], self.q_norm.weight, cfg.rms_norm_eps)
@@ -362,7 +367,7 @@ class QSAAttention(nn.Module):
             vision=vision_kind,
             prefill_flash_contract=contract,
         )
-        positions = text_positions(P, T)
+        positions = self._row_positions(P, T)
         o = dispatch(
             cplan,
             q,
@@ -426,6 +431,23 @@ class QSAAttention(nn.Module):
             return _vision_positions(vision, start, stop, step)
         return text_positions(start, stop, step)
 
+    def _row_positions(self, P: int, T: int) -> mx.array:
+        """Text positions of rows [P, T) (this call's, when it made them)."""
+        rows = self._call_rows
+        if rows is not None and rows[:2] == (P, T):
+            return rows[2]
+        return text_positions(P, T)
+
+    def _index_tables(
+        self, P: int, T: int, vision: VisionState | None
+    ) -> tuple[mx.array, mx.array]:
+        """RoPE tables at the rows' indexer positions (this call's text tables when equal)."""
+        rows = self._call_rows
+        plain = vision is None or not (self.options.vision_sparse and self.config.has_mrope_axes)
+        if plain and rows is not None and rows[:2] == (P, T):
+            return rows[3], rows[4]
+        return rope_tables(self._index_positions(P, T, 1, vision), self.config)
+
     def _block_positions(
         self, first_block: int, n_blocks: int, vision: VisionState | None
     ) -> mx.array:
@@ -479,7 +501,7 @@ class QSAAttention(nn.Module):
             prefill_workspace=self.options.prefill_workspace,
         )
         start = plan.staging_window_start(nb, m, u.pooled_len, cap_raw, cap_pool, g.ratio)
-        cos_r, sin_r = rope_tables(self._index_positions(P, T, 1, vision), cfg)
+        cos_r, sin_r = self._index_tables(P, T, vision)
         cos_w, sin_w = rope_tables(self._block_positions(start, m, vision), cfg)
         inputs = CoreInputs(
             source=source,
@@ -492,7 +514,7 @@ class QSAAttention(nn.Module):
             sin_rows=sin_r,
             cos_win=cos_w,
             sin_win=sin_w,
-            positions=text_positions(P, T),
+            positions=self._row_positions(P, T),
             pos0=mx.array([P], mx.int32),
             win_start=mx.array([start], mx.int32),
             penalty=block_penalty(cap_pool),
@@ -569,9 +591,9 @@ class QSAAttention(nn.Module):
         keys_t = (
             u.pooled_f32_t[0, 0] if iplan.selector == "oracle" else u.pooled[0].astype(mx.float32).T
         )
-        cos_q, sin_q = rope_tables(self._index_positions(P, T, 1, vision), cfg)
+        cos_q, sin_q = self._index_tables(P, T, vision)
         q = prepare_queries(q_raw, self.indexer.q_layernorm.weight, cos_q, sin_q, g)
-        positions = text_positions(P, T)
+        positions = self._row_positions(P, T)
         chunk = self._eager_chunk(iplan, S, keys_t.shape[1], q.dtype, u.pooled.dtype)
         ids, valid, scores = select_rows(
             q,
