@@ -329,9 +329,6 @@ class TorchDense:
     def step(self, i: int) -> Any:
         return self._call(i, self.backend)
 
-    def output(self, i: int) -> np.ndarray:
-        return self.step(i).float().cpu().numpy().astype(np.float64)
-
 
 # ---- decode bench -------------------------------------------------------------------------------
 

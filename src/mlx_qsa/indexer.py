@@ -207,16 +207,14 @@ def select_rows(
 
 
 def cuda_selector_supports(q: mx.array, pooled: mx.array) -> bool:
-    """Shapes the CUDA selector kernel covers: bf16, d_I 128, H_I <= 8, S·H_I <= 64."""
+    """Whether the CUDA selector covers q `[1, H_I, S, d_I]` against these block keys (its
+    launcher's own rule)."""
+    from .kernels.selector import selector_unsupported
+
     _, n_heads, S, d_i = q.shape
-    return (
-        q.dtype == mx.bfloat16
-        and pooled.dtype == mx.bfloat16
-        and d_i == 128
-        and pooled.shape[2] == d_i
-        and n_heads <= 8
-        and S * n_heads <= 64
-    )
+    if pooled.dtype != q.dtype or pooled.shape[2] != d_i:
+        return False
+    return selector_unsupported(q.dtype, S, n_heads, d_i) is None
 
 
 @dataclass

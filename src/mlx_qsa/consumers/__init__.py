@@ -28,16 +28,13 @@ __all__ = [
 
 
 def cuda_attention_supports(q: mx.array, keys: mx.array) -> bool:
-    """Shapes the CUDA flash / rows-gather kernels cover: bf16, head_dim 64/128/256,
-    at most 32 query heads per KV head (flash also needs the ratio to divide 32)."""
-    d = q.shape[-1]
-    return (
-        q.dtype == mx.bfloat16
-        and keys.dtype == mx.bfloat16
-        and d in (64, 128, 256)
-        and q.shape[1] % keys.shape[1] == 0
-        and q.shape[1] // keys.shape[1] <= 32
-    )
+    """Whether the CUDA flash / rows-gather kernels cover these shapes (their launchers'
+    own rule; flash also needs the ratio to divide its token tile)."""
+    from ..kernels._launch import attention_unsupported
+
+    if keys.dtype != q.dtype:
+        return False
+    return attention_unsupported(q.dtype, q.shape[1], keys.shape[1], q.shape[-1]) is None
 
 
 def dispatch(
@@ -55,9 +52,9 @@ def dispatch(
     """Attention output `[1, H, S, d]` of the consumer chain `cplan.consumers`."""
     first = cplan.consumers[0]
     if impl == "cuda" and cuda_attention_supports(q, keys):
-        if first == "flash" and 32 % ratio == 0:
-            from ..kernels.flash_decode import flash_decode_cuda
+        from ..kernels.flash_decode import flash_decode_cuda, ratio_supported
 
+        if first == "flash" and ratio_supported(ratio):
             # the selection's row and the row's position are read in place (no extra arrays)
             return flash_decode_cuda(
                 q, keys, values, sel.ids, sel.valid, scale=scale, ratio=ratio, pos=positions

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..config import KERNEL_CHOICES
+
 
 def resolve_impl(kernels: str = "auto") -> str:
     """"cuda" when `kernels == "auto"` and MLX's default device is a CUDA GPU, else "portable"."""
-    if kernels not in ("auto", "portable"):
-        raise ValueError(f"kernels: expected 'auto' or 'portable', got {kernels!r}")
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels: expected one of {KERNEL_CHOICES}, got {kernels!r}")
     if kernels == "portable":
         return "portable"
     if mx.default_device().type != mx.DeviceType.gpu or not mx.cuda.is_available():

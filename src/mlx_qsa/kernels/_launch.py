@@ -147,14 +147,22 @@ def check_attention(fn: str, q, keys, values) -> tuple[int, int, int, int]:
     return n_heads, rows, n_kv, d
 
 
-def check_cuda_attention(fn: str, q, n_heads: int, n_kv: int, d: int, scale: float) -> None:
-    if q.dtype != mx.bfloat16:
-        raise NotImplementedError(f"{fn}: only bfloat16 inputs, got {q.dtype}")
+def attention_unsupported(dtype, n_heads: int, n_kv: int, d: int) -> str | None:
+    """Why the split-K attention kernels cannot take these shapes, or None if they can."""
+    if dtype != mx.bfloat16:
+        return f"only bfloat16 inputs, got {dtype}"
     if d not in (64, 128, 256):
-        raise NotImplementedError(f"{fn}: head_dim must be 64, 128 or 256, got {d}")
+        return f"head_dim must be 64, 128 or 256, got {d}"
+    if n_kv < 1 or n_heads % n_kv != 0:
+        return f"H ({n_heads}) must be a multiple of Hkv ({n_kv})"
     if n_heads // n_kv > 32:
-        raise NotImplementedError(
-            f"{fn}: at most 32 query heads per KV head, got {n_heads // n_kv}"
-        )
+        return f"at most 32 query heads per KV head, got {n_heads // n_kv}"
+    return None
+
+
+def check_cuda_attention(fn: str, q, n_heads: int, n_kv: int, d: int, scale: float) -> None:
+    why = attention_unsupported(q.dtype, n_heads, n_kv, d)
+    if why is not None:
+        raise NotImplementedError(f"{fn}: {why}")
     if not scale > 0:
         raise ValueError(f"{fn}: scale must be a positive float, got {scale}")

@@ -16,6 +16,11 @@ from . import _launch
 _TOK = 32  # tokens per split-K CTA
 
 
+def ratio_supported(ratio: int) -> bool:
+    """A CTA's token tile holds whole blocks: the ratio must divide it."""
+    return ratio >= 1 and _TOK % ratio == 0
+
+
 def _check(fn: str, q, keys, values, block_ids, block_valid, T, ratio: int):
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
     if rows != 1:
@@ -107,7 +112,7 @@ def flash_decode_cuda(
     n_heads, n_kv, d = _check(fn, q, keys, values, ids1, ok1, tlen, ratio)
     _launch.require_cuda(fn)
     _launch.check_cuda_attention(fn, q, n_heads, n_kv, d, scale)
-    if _TOK % ratio != 0:
+    if not ratio_supported(ratio):
         raise NotImplementedError(f"{fn}: ratio must divide {_TOK}, got {ratio}")
     K = block_ids.shape[-1]
     g = n_heads // n_kv

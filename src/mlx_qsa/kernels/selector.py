@@ -115,6 +115,17 @@ def select_blocks_portable(
     return (ids, valid, scores) + _row_tokens(ids, valid, nb_raw, pos, K, ratio)
 
 
+def selector_unsupported(dtype, rows: int, n_heads: int, d_i: int) -> str | None:
+    """Why the CUDA selector cannot take these shapes, or None if it can."""
+    if dtype != mx.bfloat16:
+        return f"only bfloat16 inputs, got {dtype}"
+    if d_i != 128:
+        return f"only d_I = 128, got {d_i}"
+    if n_heads > 8 or rows * n_heads > 64:
+        return f"needs H_I <= 8 and S * H_I <= 64, got H_I={n_heads}, S={rows}"
+    return None
+
+
 def select_blocks_cuda(
     index_q: mx.array,
     pooled: mx.array,
@@ -142,14 +153,9 @@ def select_blocks_cuda(
     _check(fn, index_q, pooled, pos, block_topk, ratio, mode)
     _launch.require_cuda(fn)
     S, n_heads, d_i = index_q.shape
-    if index_q.dtype != mx.bfloat16:
-        raise NotImplementedError(f"{fn}: only bfloat16 inputs, got {index_q.dtype}")
-    if d_i != 128:
-        raise NotImplementedError(f"{fn}: only d_I = 128, got {d_i}")
-    if n_heads > 8 or S * n_heads > 64:
-        raise NotImplementedError(
-            f"{fn}: needs H_I <= 8 and S * H_I <= 64, got H_I={n_heads}, S={S}"
-        )
+    why = selector_unsupported(index_q.dtype, S, n_heads, d_i)
+    if why is not None:
+        raise NotImplementedError(f"{fn}: {why}")
     cap = pooled.shape[1]
     if cap < 1:
         raise ValueError(f"{fn}: pooled must hold at least one block row, got {list(pooled.shape)}")
