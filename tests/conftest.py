@@ -16,8 +16,10 @@ import pytest
 
 import mlx_qsa.layer as layer_mod
 from mlx_qsa.config import QSAConfig, QSAOptions
+from mlx_qsa.indexer import IndexerGeometry, prepare_queries, split_qk_rows
 from mlx_qsa.layer import QSAAttention
 from mlx_qsa.plan import Capabilities
+from mlx_qsa.rope import rope_tables, text_positions
 
 # Relative Frobenius error of outputs / states against the float64 oracle (issue 3).
 TOLERANCES = {mx.bfloat16: 1e-2, mx.float32: 1e-4}
@@ -90,6 +92,21 @@ def build(
         capabilities=caps,
     )
     return layer, {k: as_f64(v) for k, v in w.items()}
+
+
+def layer_index_queries(layer: QSAAttention, x: mx.array, P: int) -> np.ndarray:
+    """The rows' index queries as the layer forms them (bf16 or f32), `[S, H_I, d_I]`."""
+    cfg = layer.config
+    if layer.fused == 4:
+        e = cfg.q_proj_width + 2 * cfg.kv_proj_width
+        z = layer.qkvi_proj(x)[..., e:]
+    else:
+        z = layer.indexer.index_qk_proj(x)
+    g = IndexerGeometry.of(cfg)
+    q_raw, _ = split_qk_rows(z, g)
+    cos, sin = rope_tables(text_positions(P, P + x.shape[1]), cfg)
+    q = prepare_queries(q_raw, layer.indexer.q_layernorm.weight, cos, sin, g)
+    return as_f64(q[0].transpose(1, 0, 2))
 
 
 def hidden_rows(n: int, width: int, dtype: mx.Dtype = mx.bfloat16, seed: int = 11) -> mx.array:

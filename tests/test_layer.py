@@ -23,6 +23,7 @@ from conftest import (
     as_f64,
     build,
     hidden_rows,
+    layer_index_queries,
     rel_err,
     small_config,
     synthetic_weights,
@@ -31,10 +32,8 @@ from conftest import (
 from mlx_qsa import oracle
 from mlx_qsa.cache import QSACache
 from mlx_qsa.config import INDEXER_KEYS, QSAConfig, QSAOptions
-from mlx_qsa.indexer import IndexerGeometry, prepare_queries, split_qk_rows
 from mlx_qsa.layer import QSAAttention, VisionState
 from mlx_qsa.plan import Capabilities
-from mlx_qsa.rope import rope_tables, text_positions
 
 R = 4
 BF16, F32 = mx.bfloat16, mx.float32
@@ -154,21 +153,6 @@ class Run:
     def trim(self, n: int) -> None:
         assert self.cache.trim(n) == n
         self.history = self.history[: self.cache.offset]
-
-
-def layer_index_queries(layer: QSAAttention, x: mx.array, P: int) -> np.ndarray:
-    """The rows' index queries as the layer forms them (bf16 or f32), `[S, H_I, d_I]`."""
-    cfg = layer.config
-    if layer.fused == 4:
-        e = cfg.q_proj_width + 2 * cfg.kv_proj_width
-        z = layer.qkvi_proj(x)[..., e:]
-    else:
-        z = layer.indexer.index_qk_proj(x)
-    g = IndexerGeometry.of(cfg)
-    q_raw, _ = split_qk_rows(z, g)
-    cos, sin = rope_tables(text_positions(P, P + x.shape[1]), cfg)
-    q = prepare_queries(q_raw, layer.indexer.q_layernorm.weight, cos, sin, g)
-    return as_f64(q[0].transpose(1, 0, 2))
 
 
 def check_call(

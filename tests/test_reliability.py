@@ -28,6 +28,7 @@ from conftest import (
     as_f64,
     build,
     hidden_rows,
+    layer_index_queries,
     rel_err,
     small_config,
 )
@@ -40,10 +41,9 @@ import mlx_qsa.layer as layer_mod
 from mlx_qsa import oracle
 from mlx_qsa.cache import QSACache
 from mlx_qsa.config import QSAConfig, QSAOptions
-from mlx_qsa.indexer import IndexerGeometry, Selection, prepare_queries, split_qk_rows
+from mlx_qsa.indexer import Selection
 from mlx_qsa.layer import QSAAttention, VisionState
 from mlx_qsa.plan import Capabilities
-from mlx_qsa.rope import rope_tables, text_positions
 
 BF16, F32 = mx.bfloat16, mx.float32
 EXAMPLES = int(os.environ.get("QSA_PROPERTY_EXAMPLES", "25"))
@@ -186,20 +186,6 @@ def decode_selection(s: Seen, cfg: QSAConfig) -> list[np.ndarray] | None:
     return out
 
 
-def index_queries(layer: QSAAttention, x: mx.array, P: int) -> np.ndarray:
-    """The rows' index queries exactly as the layer forms them (its dtype), `[S, H_I, d_I]`."""
-    cfg = layer.config
-    if layer.fused == 4:
-        z = layer.qkvi_proj(x)[..., cfg.q_proj_width + 2 * cfg.kv_proj_width :]
-    else:
-        z = layer.indexer.index_qk_proj(x)
-    g = IndexerGeometry.of(cfg)
-    q_raw, _ = split_qk_rows(z, g)
-    cos, sin = rope_tables(text_positions(P, P + x.shape[1]), cfg)
-    q = prepare_queries(q_raw, layer.indexer.q_layernorm.weight, cos, sin, g)
-    return as_f64(q[0].transpose(1, 0, 2))
-
-
 def check_against_oracle(
     layer: QSAAttention, cache: QSACache, seen: Seen, blocks: list[np.ndarray] | None,
     x: mx.array, P: int, history: np.ndarray, w: dict, dtype: mx.Dtype,
@@ -213,7 +199,7 @@ def check_against_oracle(
         assert all((p + 1) // r <= K for p in qpos)
         return
     pooled = as_f64(cache.pooled[0, : cache.pooled_len])
-    ref = oracle.select_blocks(index_queries(layer, x, P), pooled, qpos, cfg)
+    ref = oracle.select_blocks(layer_index_queries(layer, x, P), pooled, qpos, cfg)
     for p, a, b in zip(qpos, blocks, ref, strict=True):
         np.testing.assert_array_equal(a, b, err_msg=f"row {p}")
     if dtype == F32:
