@@ -59,10 +59,19 @@ def dispatch(
             return flash_decode_cuda(
                 q, keys, values, sel.ids, sel.valid, scale=scale, ratio=ratio, pos=positions
             )
-        if first == "rows_gather":
-            from ..kernels.rows_gather import rows_gather_cuda
+        from ..kernels.rows_gather import rows_gather_cuda
 
+        if first == "rows_gather":
             return rows_gather_cuda(q, keys, values, sel.slots, sel.slot_valid, scale=scale)
+        if first in ("prefill_flash", "prefill_gather"):
+
+            def gather(qt, k, v, slots, slot_valid, sc):
+                return rows_gather_cuda(qt, k, v, slots, slot_valid, scale=sc)
+
+            consumer = prefill_flash if first == "prefill_flash" else prefill_gather
+            return consumer(
+                q, keys, values, sel.ids, sel.valid, positions, ratio, scale, gather=gather
+            )
     if first == "sdpa":
         mask = cplan.sdpa_mask
         if mask == "token_list":
