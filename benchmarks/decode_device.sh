@@ -21,7 +21,7 @@ for what in "$@"; do
   case "$what" in
     tests)
       timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
-        tests/test_cuda_decode.py tests/test_cuda_layer.py tests/test_bench.py 2>&1 \
+        tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_layer.py tests/test_bench.py 2>&1 \
         | tee "$OUT/tests.log" | tail -40
       rc=$((rc | PIPESTATUS[0])) ;;
     trace)
