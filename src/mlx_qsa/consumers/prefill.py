@@ -3,8 +3,8 @@
 - `prefill_gather`: for each 64-row tile build the row-token slots and run `rows_gather`.
 - `prefill_flash`: block-sparse attention over each row's blocks plus its 0–3-token tail.
   Portably it is the same tiled gather (bounded memory: one tile of gathered K/V at a time);
-  on CUDA both run the rows-gather kernel per tile (K/V read in place; a block-sparse kernel
-  that shares K/V tiles between rows is issue 6).
+  on CUDA it is one tensor-core kernel (kernels/prefill_flash.cu) and `prefill_gather` runs the
+  rows-gather kernel per tile.
 - `dense_mask`: rebuild the exact dense mask from the blocks, then `sdpa` with it.
 """
 
