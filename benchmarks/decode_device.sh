@@ -2,6 +2,7 @@
 # Issue 5 on the lent GPU, after MLX's CUDA build is staged (../shared/device/README.md):
 #   source .device/part-b/activate.sh && bash benchmarks/decode_device.sh tests|trace|bench|prefill
 # tests:   CUDA kernel and layer tests, the bench tests (GPU columns included)
+# ptests:  the prefill kernel tests and the CUDA layer tests only
 # trace:   `mlx-qsa trace` on the GPU, compared field by field with the M5 Pro fixture
 # bench:   `mlx-qsa bench decode` at the issue's contexts and rows (all peers, one process)
 # prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples)
@@ -21,8 +22,12 @@ for what in "$@"; do
   case "$what" in
     tests)
       timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
-        tests/test_cuda_decode.py tests/test_cuda_layer.py tests/test_bench.py 2>&1 \
+        tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_layer.py tests/test_bench.py 2>&1 \
         | tee "$OUT/tests.log" | tail -40
+      rc=$((rc | PIPESTATUS[0])) ;;
+    ptests)
+      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+        tests/test_cuda_prefill.py tests/test_cuda_layer.py 2>&1 | tee "$OUT/ptests.log" | tail -40
       rc=$((rc | PIPESTATUS[0])) ;;
     trace)
       start=$(date +%s)

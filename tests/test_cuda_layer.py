@@ -122,3 +122,53 @@ def test_compiled_and_eager_cuda_paths_select_alike(spy) -> None:
         np.testing.assert_array_equal(
             np.array(a.y.astype(mx.float32)), np.array(b.y.astype(mx.float32))
         )
+
+
+# the prefill_flash contract's heads and budget (RUNTIME.md §5.6) on a small hidden size
+CFG_FLASH = small_config(
+    mrope=False,
+    hidden_size=256,
+    num_attention_heads=24,
+    num_key_value_heads=2,
+    head_dim=256,
+    indexer_n_heads=4,
+    indexer_head_dim=128,
+    indexer_budget=2048,
+)
+
+
+@pytest.mark.parametrize(
+    "consumer,cfg,widths",
+    [
+        ("prefill_gather", CFG, (1900, 200, 1, 70, 129)),
+        ("prefill_flash", CFG_FLASH, (4000, 4196, 300, 1, 2, 129)),
+    ],
+)
+def test_prefill_chunks_run_the_kernels(spy, monkeypatch, consumer, cfg, widths) -> None:
+    """Chunks past the 2049-token prefill floor (`prefill_blocks`): on CUDA the routed prefill
+    consumer runs the kernels, matches the oracle and selects what the portable path selects."""
+    n_rows = _count_calls(monkeypatch, rows_gather, "rows_gather_cuda")
+    flash_min = 0 if consumer == "prefill_flash" else 1 << 30
+    x = hidden_rows(sum(widths), cfg.hidden_size)
+    runs = {}
+    for kernels in ("auto", "portable"):
+        opts = QSAOptions.trace(flash_min=flash_min, kernels=kernels, prefill_min_context=0)
+        layer, w = build(cfg, options=opts)
+        runs[kernels] = run = Run(layer, spy)
+        run.weights = w
+        run.feed_widths(x, widths)
+    cuda, portable = runs["auto"], runs["portable"]
+    big = [c for c in cuda.calls if c.consumers[0] == consumer]
+    ends = np.cumsum(widths)
+    want = [S for S, T in zip(widths, ends, strict=True) if S > 2 and T >= 2049]
+    assert [c.S for c in big] == want
+    if consumer == "prefill_gather":  # one rows-gather launch per 64-row tile
+        assert n_rows[0] >= sum(-(-c.S // 64) for c in big)
+    for a, b in zip(cuda.calls, portable.calls, strict=True):
+        assert a.seen.impl == "cuda" and b.seen.impl == "portable"
+        sa, sb = _selection_arrays(a.seen.sel), _selection_arrays(b.seen.sel)
+        for k in sa:
+            np.testing.assert_array_equal(sa[k], sb[k], err_msg=f"S{a.S}@{a.P} {k}")
+    for call in big:
+        if call.S <= 300:  # the oracle's float64 attention of the long chunks takes minutes
+            check_call(call, cfg, cuda.weights, mx.bfloat16)

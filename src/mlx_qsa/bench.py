@@ -504,8 +504,9 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         sets = [DecodeSet(cfg, T, S, seed=7 * T + i) for i in range(args.sets)]
         work = prefill_flops(cfg, P, S)
         rec["flops"] = work
+        outs = {}
         for impl in impls:
-            comp = prefill_components(cfg, sets, impl, args)
+            comp, outs[impl] = prefill_components(cfg, sets, impl, args)
             rec["timings"].update({f"qsa_{impl}_{k}": v for k, v in comp.items()})
             opts = QSAOptions(kernels="auto" if impl == "cuda" else "portable")
             lay = QSAAttention(cfg, options=opts, fused=4)
@@ -519,7 +520,9 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
             t = time_mlx(step, args.sets, args.warmup, args.repeats)
             t["consumers"] = list(lay.last_call.consumers)
             rec["timings"][f"qsa_{impl}_layer"] = t
-        del sets
+        if "cuda" in outs:
+            rec["checks"] = prefill_checks(outs["cuda"], outs["portable"])
+        del sets, outs
         torch = _torch_cuda() if not args.no_torch else None
         if torch is not None:
             rec["timings"]["torch_dense_causal_sdpa"] = _torch_prefill(cfg, T, S, args)
@@ -589,7 +592,20 @@ def prefill_components(
         "selection_attention": time_mlx(lambda i: attend(sets[i], select(sets[i])), n, w, k),
     }
     out["attention"]["consumers"] = list(cplan.consumers)
-    return out
+    return out, (sels[0], attend(sets[0], sels[0]))
+
+
+def prefill_checks(
+    cuda: tuple[Selection, mx.array], portable: tuple[Selection, mx.array]
+) -> dict[str, Any]:
+    """The CUDA chunk against the portable one on the same inputs: selections bit for bit,
+    attention outputs by relative error."""
+    (sc, oc), (sp, op) = cuda, portable
+    same = bool(mx.array_equal(sc.ids, sp.ids).item() and mx.array_equal(sc.valid, sp.valid).item())
+    rows_differ = int(mx.sum(mx.any(sc.ids != sp.ids, axis=-1)).item())
+    a, b = oc.astype(mx.float32), op.astype(mx.float32)
+    rel = (mx.linalg.norm((a - b).flatten()) / mx.linalg.norm(b.flatten())).item()
+    return {"selection_equal": same, "rows_with_other_ids": rows_differ, "attention_rel_diff": rel}
 
 
 def matmul_ceiling(n: int, repeats: int = 5) -> dict[str, Any]:
@@ -655,6 +671,8 @@ def prefill_rates(doc_body: dict[str, Any]) -> None:
 
 def _progress_prefill(rec: dict[str, Any]) -> None:
     cols = " ".join(f"{k}={v['median_us'] / 1e3:.2f}ms" for k, v in rec["timings"].items())
+    if "checks" in rec:
+        cols += f" checks={rec['checks']}"
     print(f"prefix={rec['prefix']} rows={rec['rows']} {cols}", flush=True)
 
 

@@ -2,7 +2,8 @@
 
 Each consumer is one algorithm; `dispatch` runs what the plan chose, with the portable
 implementation here, or with `impl="cuda"` the CUDA kernel of the consumer where one exists
-and covers the shapes (flash, rows_gather); the plan itself never depends on `impl`.
+and covers the shapes (flash, rows_gather, prefill_flash; prefill_gather runs the rows-gather
+kernel per tile); the plan itself never depends on `impl`.
 """
 
 from __future__ import annotations
@@ -59,10 +60,27 @@ def dispatch(
             return flash_decode_cuda(
                 q, keys, values, sel.ids, sel.valid, scale=scale, ratio=ratio, pos=positions
             )
-        if first == "rows_gather":
-            from ..kernels.rows_gather import rows_gather_cuda
+        from ..kernels.rows_gather import rows_gather_cuda
 
+        if first == "rows_gather":
             return rows_gather_cuda(q, keys, values, sel.slots, sel.slot_valid, scale=scale)
+        if first == "prefill_flash":
+            from ..kernels.prefill_flash import prefill_flash_cuda, prefill_flash_unsupported
+
+            n_heads, n_kv, d = q.shape[1], keys.shape[1], q.shape[-1]
+            if prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio) is None:
+                return prefill_flash_cuda(
+                    q, keys, values, sel.ids, sel.valid, positions, scale=scale, ratio=ratio
+                )
+        if first in ("prefill_flash", "prefill_gather"):
+
+            def gather(qt, k, v, slots, slot_valid, sc):
+                return rows_gather_cuda(qt, k, v, slots, slot_valid, scale=sc)
+
+            consumer = prefill_flash if first == "prefill_flash" else prefill_gather
+            return consumer(
+                q, keys, values, sel.ids, sel.valid, positions, ratio, scale, gather=gather
+            )
     if first == "sdpa":
         mask = cplan.sdpa_mask
         if mask == "token_list":

@@ -3,11 +3,14 @@
 - `prefill_gather`: for each 64-row tile build the row-token slots and run `rows_gather`.
 - `prefill_flash`: block-sparse attention over each row's blocks plus its 0–3-token tail.
   Portably it is the same tiled gather (bounded memory: one tile of gathered K/V at a time);
-  the CUDA kernel reads K/V tiles in place and shares them between rows.
+  on CUDA it is one tensor-core kernel (kernels/prefill_flash.cu) and `prefill_gather` runs the
+  rows-gather kernel per tile.
 - `dense_mask`: rebuild the exact dense mask from the blocks, then `sdpa` with it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -28,14 +31,18 @@ def prefill_gather(
     ratio: int,
     scale: float,
     tile_rows: int = GATHER_TILE_ROWS,
+    gather: Callable[..., mx.array] = rows_gather,
 ) -> mx.array:
-    """q `[1, H, S, d]`, ids/valid `[S, K]`, positions int32 `[S]` → `[1, H, S, d]`."""
+    """q `[1, H, S, d]`, ids/valid `[S, K]`, positions int32 `[S]` → `[1, H, S, d]`.
+
+    `gather(q_tile, keys, values, slots, slot_valid, scale)` attends one tile of rows: the
+    portable `rows_gather`, or on CUDA the rows-gather kernel."""
     S = q.shape[2]
     outs = []
     for r0 in range(0, S, tile_rows):
         r1 = min(S, r0 + tile_rows)
         slots, slot_valid = row_token_slots(ids[r0:r1], valid[r0:r1], positions[r0:r1], ratio)
-        outs.append(rows_gather(q[:, :, r0:r1, :], keys, values, slots, slot_valid, scale))
+        outs.append(gather(q[:, :, r0:r1, :], keys, values, slots, slot_valid, scale))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
@@ -48,8 +55,11 @@ def prefill_flash(
     positions: mx.array,
     ratio: int,
     scale: float,
+    gather: Callable[..., mx.array] = rows_gather,
 ) -> mx.array:
-    return prefill_gather(q, keys, values, ids, valid, positions, ratio, scale, tile_rows=128)
+    return prefill_gather(
+        q, keys, values, ids, valid, positions, ratio, scale, tile_rows=128, gather=gather
+    )
 
 
 def dense_mask_attention(

@@ -30,6 +30,12 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
 
 __device__ __forceinline__ float bf_to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// Two floats rounded to bf16 in one 32-bit word, `lo` in the low half (an mma operand pair).
+__device__ __forceinline__ unsigned pack_bf2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
 // Adds 1 to hist[digit] for every active lane; lanes sharing a digit add once together
 // (radix digits of similar floats collide heavily). Every lane of the warp must call it.
 __device__ __forceinline__ void hist_add(unsigned* hist, unsigned digit, bool active) {

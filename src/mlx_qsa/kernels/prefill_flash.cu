@@ -1,0 +1,245 @@
+//// kernel: attend
+// Block-sparse prefill attention on tensor cores (RUNTIME.md §8 `prefill_flash`): one CTA per
+// (row, KV head j) attends the G <= 16 query heads of j (one m16 tile, rows past G are zero)
+// over the row's valid selected blocks (each RATIO tokens) plus its own 0..RATIO-1 tail tokens.
+// q [1, H, S, D] bf16 (last axis contiguous); keys, values [1, HKV, cap, D] bf16 read in place;
+// ids [S, K] int32, valid [S, K] bool, pos [S] int32 -> out [1, H, S, D] bf16.
+// The row's tokens are listed in selection order, then streamed through shared memory 64 at a
+// time (cp.async, two stages, tokens past the list zero-filled). Warp w owns tokens
+// 16w..16w+15 of each stage: S = Q K^T with mma.sync m16n8k16 (bf16 in, float32 accumulate),
+// an online softmax in float32 (base 2), then O += P V with P rounded to bf16 and V fragments
+// from ldmatrix.trans. The four warps' (m, l, O) are merged in a fixed order at the end.
+// Template: D, G, HKV, K, RATIO, SCALE_BITS. 128 threads; dynamic shared memory:
+// 2 stages x (K, V) x 64 x (D + 8) bf16, q 16 x (D + 8) bf16, token list K * RATIO + RATIO int.
+constexpr int NT = 128, STEP = 64, VS = D + 8, NTILE = D / 8;
+constexpr int EPT = (K + NT - 1) / NT;
+extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
+__nv_bfloat16* kv_s = reinterpret_cast<__nv_bfloat16*>(qsa_dyn_smem);
+__nv_bfloat16* q_s = kv_s + 2 * 2 * STEP * VS;
+int* tok_s = reinterpret_cast<int*>(q_s + 16 * VS);
+__shared__ int scan_s[NT / 32 + 1];
+__shared__ float ml_s[4][16][2];
+const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+const int S = q_shape[2];
+const int j = blockIdx.x % HKV, row = blockIdx.x / HKV;
+const long long cap = keys_shape[2];
+const int p = pos[row * pos_strides[0]];
+
+// 1. The token list: valid selected blocks in selection order (block-wide scan), then the tail.
+int bid[EPT];
+int cnt = 0;
+#pragma unroll
+for (int e = 0; e < EPT; ++e) {
+  const int i = tid * EPT + e;
+  int b = -1;
+  if (i < K && valid[row * valid_strides[0] + i * valid_strides[1]]) {
+    const int id = ids[row * ids_strides[0] + i * ids_strides[1]];
+    if (id >= 0 && (long long)(id + 1) * RATIO <= cap) b = id;
+  }
+  bid[e] = b;
+  cnt += b >= 0;
+}
+int n_blk;
+int at = qsa::block_excl_scan<NT>(cnt, scan_s, &n_blk);
+#pragma unroll
+for (int e = 0; e < EPT; ++e)
+  if (bid[e] >= 0) {
+#pragma unroll
+    for (int t = 0; t < RATIO; ++t) tok_s[at * RATIO + t] = bid[e] * RATIO + t;
+    ++at;
+  }
+const int tail0 = p >= 0 ? (p + 1) / RATIO * RATIO : 0;
+const int n_tail = p >= 0 ? p + 1 - tail0 : 0;
+if (tid < n_tail) tok_s[n_blk * RATIO + tid] = tail0 + tid;
+const int n_tok = n_blk * RATIO + n_tail;
+
+// The G query rows of the tile (rows G..15 zero).
+for (int c = tid; c < 16 * (D / 8); c += NT) {
+  const int h = c / (D / 8), dc = c % (D / 8);
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (h < G)
+    v = *reinterpret_cast<const uint4*>(q + (long long)(j * G + h) * q_strides[1] +
+                                        (long long)row * q_strides[2] + dc * 8);
+  *reinterpret_cast<uint4*>(q_s + h * VS + dc * 8) = v;
+}
+__syncthreads();
+
+const __nv_bfloat16* kg = keys + (long long)j * keys_strides[1];
+const __nv_bfloat16* vg = values + (long long)j * values_strides[1];
+auto load_stage = [&](int st, int t0) {
+  __nv_bfloat16* ks = kv_s + st * 2 * STEP * VS;
+  __nv_bfloat16* vs = ks + STEP * VS;
+  for (int c = tid; c < STEP * (D / 8); c += NT) {
+    const int t = c / (D / 8), dc = c % (D / 8);
+    const bool ok = t0 + t < n_tok;
+    const long long tok = ok ? tok_s[t0 + t] : 0;
+    const unsigned nbytes = ok ? 16u : 0u;  // 0: zero-fill (masked tokens must not be NaN)
+    const unsigned dk = (unsigned)__cvta_generic_to_shared(ks + t * VS + dc * 8);
+    const unsigned dv = (unsigned)__cvta_generic_to_shared(vs + t * VS + dc * 8);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dk),
+                 "l"(kg + tok * keys_strides[2] + dc * 8), "r"(nbytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dv),
+                 "l"(vg + tok * values_strides[2] + dc * 8), "r"(nbytes));
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+};
+
+// Per-thread state: rows r0 = lane / 4 and r1 = r0 + 8 of the m16 tile.
+const float sl2 = __int_as_float(SCALE_BITS) * 1.4426950408889634f;
+float o[NTILE][4];
+#pragma unroll
+for (int n = 0; n < NTILE; ++n)
+#pragma unroll
+  for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+float m0 = qsa::neg_inf(), m1 = qsa::neg_inf(), l0 = 0.f, l1 = 0.f;
+const int ar = lane >> 2, ak = 2 * (lane & 3);
+
+const int n_steps = (n_tok + STEP - 1) / STEP;
+if (n_steps > 0) load_stage(0, 0);
+for (int s = 0; s < n_steps; ++s) {
+  if (s + 1 < n_steps) {
+    load_stage((s + 1) & 1, (s + 1) * STEP);
+    asm volatile("cp.async.wait_group 1;\n" ::);
+  } else {
+    asm volatile("cp.async.wait_group 0;\n" ::);
+  }
+  __syncthreads();
+  const int tb = s * STEP + 16 * warp;  // the warp's first token of this stage
+  if (tb < n_tok) {                      // warp-uniform
+    const __nv_bfloat16* ks = kv_s + (s & 1) * 2 * STEP * VS + 16 * warp * VS;
+    const __nv_bfloat16* vs = ks + STEP * VS;
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const __nv_bfloat16* qa = q_s + ar * VS + kk * 16 + ak;
+      const unsigned a0 = *reinterpret_cast<const unsigned*>(qa);
+      const unsigned a1 = *reinterpret_cast<const unsigned*>(qa + 8 * VS);
+      const unsigned a2 = *reinterpret_cast<const unsigned*>(qa + 8);
+      const unsigned a3 = *reinterpret_cast<const unsigned*>(qa + 8 * VS + 8);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const __nv_bfloat16* kb = ks + (nt * 8 + ar) * VS + kk * 16 + ak;
+        const unsigned b0 = *reinterpret_cast<const unsigned*>(kb);
+        const unsigned b1 = *reinterpret_cast<const unsigned*>(kb + 8);
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(sc[nt][0]), "+f"(sc[nt][1]), "+f"(sc[nt][2]), "+f"(sc[nt][3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      }
+    }
+    // mask tokens past the list, scale into base 2, online softmax per row
+    float mx0 = qsa::neg_inf(), mx1 = qsa::neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = tb + nt * 8 + ak + (e & 1);
+        sc[nt][e] = t < n_tok ? sc[nt][e] * sl2 : qsa::neg_inf();
+        if (e < 2) mx0 = fmaxf(mx0, sc[nt][e]);
+        else mx1 = fmaxf(mx1, sc[nt][e]);
+      }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(qsa::FULL_MASK, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(qsa::FULL_MASK, mx1, off));
+    }
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    // the warp's first token is always listed, so n0, n1 are finite here
+    const float al0 = exp2f(m0 - n0), al1 = exp2f(m1 - n1);
+    m0 = n0;
+    m1 = n1;
+    float ps[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ps[nt][e] = exp2f(sc[nt][e] - (e < 2 ? n0 : n1));
+    l0 = l0 * al0 + ps[0][0] + ps[0][1] + ps[1][0] + ps[1][1];
+    l1 = l1 * al1 + ps[0][2] + ps[0][3] + ps[1][2] + ps[1][3];
+#pragma unroll
+    for (int n = 0; n < NTILE; ++n) {
+      o[n][0] *= al0;
+      o[n][1] *= al0;
+      o[n][2] *= al1;
+      o[n][3] *= al1;
+    }
+    // P as the A operand (the C layout of two n8 tiles is the A layout of one k16 step)
+    const unsigned pa0 = qsa::pack_bf2(ps[0][0], ps[0][1]);
+    const unsigned pa1 = qsa::pack_bf2(ps[0][2], ps[0][3]);
+    const unsigned pa2 = qsa::pack_bf2(ps[1][0], ps[1][1]);
+    const unsigned pa3 = qsa::pack_bf2(ps[1][2], ps[1][3]);
+    // V fragments: matrix lane / 8 of ldmatrix.x4.trans holds tokens (lane / 8 % 2) * 8 + i,
+    // dims n0 + (lane / 16) * 8 .. + 7: b0, b1 of n tile 2c, then of n tile 2c + 1
+    const int mi = lane >> 3, li = lane & 7;
+    const unsigned vrow = (unsigned)__cvta_generic_to_shared(vs + ((mi & 1) * 8 + li) * VS +
+                                                            (mi >> 1) * 8);
+#pragma unroll
+    for (int c = 0; c < D / 16; ++c) {
+      unsigned b0, b1, b2, b3;
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                   : "r"(vrow + c * 32));
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(o[2 * c][0]), "+f"(o[2 * c][1]), "+f"(o[2 * c][2]), "+f"(o[2 * c][3])
+          : "r"(pa0), "r"(pa1), "r"(pa2), "r"(pa3), "r"(b0), "r"(b1));
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(o[2 * c + 1][0]), "+f"(o[2 * c + 1][1]), "+f"(o[2 * c + 1][2]),
+            "+f"(o[2 * c + 1][3])
+          : "r"(pa0), "r"(pa1), "r"(pa2), "r"(pa3), "r"(b2), "r"(b3));
+    }
+  }
+  __syncthreads();  // the next iteration refills this stage
+}
+
+// 2. Merge the warps: row sums over the quad, then M = max_w m_w, L = sum_w l_w 2^(m_w - M).
+#pragma unroll
+for (int off = 1; off < 4; off <<= 1) {
+  l0 += __shfl_xor_sync(qsa::FULL_MASK, l0, off);
+  l1 += __shfl_xor_sync(qsa::FULL_MASK, l1, off);
+}
+if ((lane & 3) == 0) {
+  ml_s[warp][ar][0] = m0;
+  ml_s[warp][ar][1] = l0;
+  ml_s[warp][ar + 8][0] = m1;
+  ml_s[warp][ar + 8][1] = l1;
+}
+__syncthreads();
+float f0, f1;  // this warp's weight for rows r0, r1: 2^(m_w - M) / L (0 for an empty row)
+#pragma unroll
+for (int h = 0; h < 2; ++h) {
+  const int r = ar + 8 * h;
+  float M = qsa::neg_inf();
+#pragma unroll
+  for (int w = 0; w < 4; ++w) M = fmaxf(M, ml_s[w][r][0]);
+  float L = 0.f, mine = 0.f;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float mw = ml_s[w][r][0];
+    const float fw = mw == qsa::neg_inf() ? 0.f : exp2f(mw - M);
+    L += ml_s[w][r][1] * fw;
+    if (w == warp) mine = fw;
+  }
+  const float f = L > 0.f ? mine / L : 0.f;
+  if (h == 0) f0 = f;
+  else f1 = f;
+}
+float* o_s = reinterpret_cast<float*>(kv_s);  // [4 warps][16][D], over the drained stages
+#pragma unroll
+for (int n = 0; n < NTILE; ++n) {
+  const int c = n * 8 + ak;
+  o_s[(warp * 16 + ar) * D + c] = o[n][0] * f0;
+  o_s[(warp * 16 + ar) * D + c + 1] = o[n][1] * f0;
+  o_s[(warp * 16 + ar + 8) * D + c] = o[n][2] * f1;
+  o_s[(warp * 16 + ar + 8) * D + c + 1] = o[n][3] * f1;
+}
+__syncthreads();
+for (int i = tid; i < G * D; i += NT) {
+  const int h = i / D, c = i % D;
+  const float v = o_s[h * D + c] + o_s[(16 + h) * D + c] + o_s[(32 + h) * D + c] +
+                  o_s[(48 + h) * D + c];
+  out[((long long)(j * G + h) * S + row) * D + c] = __float2bfloat16(v);
+}

@@ -1,0 +1,89 @@
+"""Block-sparse prefill attention on CUDA tensor cores (RUNTIME.md §8 `prefill_flash`).
+
+Each row attends its valid selected blocks (RATIO tokens each) plus its own 0..RATIO-1 tail
+tokens, reading K/V in place from the cache backings; the portable twin is
+`consumers.prefill.prefill_flash` (the tiled row-token gather), with the same token sets.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import _launch
+
+_NT, _STEP, _MAX_G = 128, 64, 16
+
+
+def prefill_flash_unsupported(dtype, n_heads: int, n_kv: int, d: int, ratio: int) -> str | None:
+    """Why the kernel cannot take these shapes, or None if it can."""
+    why = _launch.attention_unsupported(dtype, n_heads, n_kv, d)
+    if why is not None:
+        return why
+    if n_heads // n_kv > _MAX_G:
+        return f"at most {_MAX_G} query heads per KV head (one m16 tile), got {n_heads // n_kv}"
+    if ratio < 1:
+        return f"ratio must be >= 1, got {ratio}"
+    return None
+
+
+def smem_bytes(d: int, k: int, ratio: int) -> int:
+    """Dynamic shared memory: two K/V stages, the query tile, the row's token list."""
+    return 2 * 2 * _STEP * (d + 8) * 2 + 16 * (d + 8) * 2 + (k * ratio + ratio) * 4
+
+
+def prefill_flash_cuda(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    ids: mx.array,
+    valid: mx.array,
+    positions: mx.array,
+    *,
+    scale: float,
+    ratio: int = 4,
+) -> mx.array:
+    """q `[1, H, S, d]` bf16, keys/values `[1, Hkv, cap, d]`, ids int32 / valid bool `[S, K]`,
+    positions int32 `[S]` -> `[1, H, S, d]` bf16. A row without tokens gives 0."""
+    fn = "prefill_flash_cuda"
+    n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
+    _launch.check_ndim(fn, "ids", ids, 2, "[S, K]")
+    if ids.shape[0] != rows:
+        raise ValueError(f"{fn}: ids must have {rows} rows (q's S), got {list(ids.shape)}")
+    _launch.check_dtype(fn, "ids", ids, (mx.int32,))
+    if valid.shape != ids.shape:
+        raise ValueError(f"{fn}: valid must have shape {list(ids.shape)}, got {list(valid.shape)}")
+    _launch.check_dtype(fn, "valid", valid, (mx.bool_,))
+    if positions.shape != (rows,) or positions.dtype != mx.int32:
+        raise ValueError(
+            f"{fn}: positions must be int32 [{rows}], got {list(positions.shape)} {positions.dtype}"
+        )
+    _launch.require_cuda(fn)
+    why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio)
+    if why is not None:
+        raise NotImplementedError(f"{fn}: {why}")
+    if not scale > 0:
+        raise ValueError(f"{fn}: scale must be a positive float, got {scale}")
+    k = ids.shape[1]
+    kernel = _launch.build(
+        "prefill_flash.cu",
+        "attend",
+        ("q", "keys", "values", "ids", "valid", "pos"),
+        ("out",),
+        (),
+        shared_memory=smem_bytes(d, k, ratio),
+    )
+    return kernel(
+        inputs=[q, keys, values, ids, valid, positions],
+        template=[
+            ("D", d),
+            ("G", n_heads // n_kv),
+            ("HKV", n_kv),
+            ("K", k),
+            ("RATIO", ratio),
+            ("SCALE_BITS", _launch.float_bits(scale)),
+        ],
+        grid=(rows * n_kv * _NT, 1, 1),
+        threadgroup=(_NT, 1, 1),
+        output_shapes=[(1, n_heads, rows, d)],
+        output_dtypes=[q.dtype],
+    )[0]

@@ -1,0 +1,114 @@
+"""Prefill selection on CUDA (issue 6): the tensor-core score producer `mpp` (prefill_score.cu)
+emits the reduced float32 plane `[C, N]` of a chunk of rows, never the per-head planes, and the
+decode selector's top-k kernel (selector.cu) selects each row's blocks from it.
+
+Chunks follow RUNTIME.md §6.3 (`plan.selector_chunk_rows` with producer `mpp`): one plane of
+`chunk x cap` float32 at a time within the prefill workspace.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import _launch
+from .selector import _CAP, _L, _NT_TOPK
+
+_TR, _TB = 64, 64  # rows and blocks per CTA
+
+
+def prefill_score_supports(index_q: mx.array, pooled: mx.array) -> bool:
+    """The shapes the kernel covers: bf16, 4 index heads of 128 (the `mpp` contract)."""
+    return (
+        index_q.ndim == 4
+        and index_q.shape[0] == 1
+        and index_q.shape[1] == 4
+        and index_q.shape[3] == 128
+        and index_q.dtype == mx.bfloat16
+        and pooled.dtype == mx.bfloat16
+        and pooled.ndim == 3
+        and pooled.shape[2] == 128
+    )
+
+
+def prefill_scores_cuda(index_q: mx.array, pooled: mx.array, pos: mx.array, *, ratio: int = 4):
+    """(adj [C, npad] float32, summ [C, npad / 32, L] uint32, nbs [C] int32) of one chunk.
+
+    index_q `[1, 4, C, 128]` bf16, pooled `[1, cap, 128]` bf16, pos int32 `[C]`.
+    """
+    fn = "prefill_scores_cuda"
+    _launch.require_cuda(fn)
+    if not prefill_score_supports(index_q, pooled):
+        raise NotImplementedError(
+            f"{fn}: needs bf16 index_q [1, 4, C, 128] and pooled [1, cap, 128], got "
+            f"{list(index_q.shape)} {index_q.dtype} and {list(pooled.shape)} {pooled.dtype}"
+        )
+    C, cap = index_q.shape[2], pooled.shape[1]
+    if pos.shape != (C,) or pos.dtype != mx.int32:
+        raise ValueError(f"{fn}: pos must be int32 [{C}], got {list(pos.shape)} {pos.dtype}")
+    if cap < 1:
+        raise ValueError(f"{fn}: pooled must hold at least one block row")
+    npad = -(-cap // _TB) * _TB
+    n_cta = -(-C // _TR) * (npad // _TB)
+    smem = _TR * (4 * 128 + 8) * 2 + _TB * (128 + 8) * 2 + _TR * (_TB + 1) * 4
+    kernel = _launch.build(
+        "prefill_score.cu",
+        "score",
+        ("index_q", "pooled", "pos"),
+        ("adj", "summ", "nbs"),
+        (),
+        shared_memory=smem,
+        ensure_row_contiguous=True,
+    )
+    return tuple(
+        kernel(
+            inputs=[index_q, pooled, pos],
+            template=[("RATIO", ratio), ("L", _L)],
+            grid=(n_cta * 128, 1, 1),
+            threadgroup=(128, 1, 1),
+            output_shapes=[(C, npad), (C, npad // 32 * _L), (C,)],
+            output_dtypes=[mx.float32, mx.uint32, mx.int32],
+        )
+    )
+
+
+def select_prefill_cuda(
+    index_q: mx.array,
+    pooled: mx.array,
+    pos: mx.array,
+    *,
+    block_topk: int = 512,
+    ratio: int = 4,
+    chunk: int | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Exact top-`block_topk` blocks per row for many rows: (ids, valid, scores), as
+    `indexer.top_blocks` lays them out; `chunk` rows per score plane (default: all)."""
+    S = index_q.shape[2]
+    chunk = S if chunk is None else chunk
+    topk = _launch.build(
+        "selector.cu",
+        "topk",
+        ("adj", "summ", "nbs", "pos"),
+        ("ids", "valid", "scores"),
+        ("blocks",),
+        shared_memory=_CAP * 8 + 4 * max(2048, -(-pooled.shape[1] // _TB) * _TB // 32),
+        ensure_row_contiguous=True,
+    )
+    K = block_topk
+    parts = []
+    for r0 in range(0, S, chunk):
+        r1 = min(S, r0 + chunk)
+        p = pos[r0:r1]
+        adj, summ, nbs = prefill_scores_cuda(index_q[:, :, r0:r1], pooled, p, ratio=ratio)
+        parts.append(
+            topk(
+                inputs=[adj, summ, nbs, p],
+                template=[("K", K), ("RATIO", ratio), ("L", _L), ("CAP", _CAP), ("NT", _NT_TOPK)],
+                grid=((r1 - r0) * _NT_TOPK, 1, 1),
+                threadgroup=(_NT_TOPK, 1, 1),
+                output_shapes=[(r1 - r0, K)] * 3,
+                output_dtypes=[mx.int32, mx.bool_, mx.float32],
+            )
+        )
+    if len(parts) == 1:
+        return tuple(parts[0])
+    return tuple(mx.concatenate([q[i] for q in parts]) for i in range(3))

@@ -1,0 +1,205 @@
+"""Prefill on CUDA: selection (tensor-core score producer + the top-k kernel) and the
+tensor-core `prefill_flash` attention, against their portable twins and float64 references.
+The GPU tests skip without MLX's CUDA backend; the argument checks run everywhere."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_cuda_decode import bf16, make_selector_inputs, needs_cuda, ref_adj, ref_select, to_np
+
+from mlx_qsa.consumers.prefill import prefill_flash
+from mlx_qsa.kernels.prefill_flash import prefill_flash_cuda, prefill_flash_unsupported
+from mlx_qsa.kernels.prefill_score import prefill_scores_cuda, select_prefill_cuda
+from mlx_qsa.kernels.selector import select_blocks_portable
+
+
+def _inputs(rng, S, P, quantized=False):
+    pos = np.arange(P, P + S)
+    nb_max = (pos[-1] + 1) // 4
+    cap = nb_max + 37  # not a multiple of the 64-block tile; rows past nb are garbage (NaN)
+    q, k, qm, km = make_selector_inputs(rng, S, 4, cap, nb_max, quantized=quantized)
+    q4 = qm.transpose(1, 0, 2)[None]  # the layer's [1, H_I, S, d_I]
+    return q, k, q4, km, pos, mx.array(pos.astype(np.int32))
+
+
+@needs_cuda
+@pytest.mark.parametrize("S,P", [(100, 1990), (64, 5000), (257, 2047), (130, 40000)])
+def test_select_prefill_matches_references(S, P):
+    rng = np.random.default_rng([41, S, P])
+    q, k, q4, km, pos, pm = _inputs(rng, S, P)
+    ids, valid, scores = select_prefill_cuda(q4, km, pm)
+    adj = ref_adj(q, k)
+    ref = ref_select(adj, pos, 512, 4)
+    np.testing.assert_array_equal(np.array(valid), ref[1])
+    np.testing.assert_array_equal(np.array(ids), ref[0])
+    got = np.array(scores)
+    fin = ref[1]
+    np.testing.assert_allclose(got[fin], ref[2][fin], rtol=1e-5, atol=1e-6)
+    assert (got[~fin] == -np.inf).all()
+    twin = select_blocks_portable(bf16(q), km, pm)
+    np.testing.assert_array_equal(np.array(twin[0]), np.array(ids))
+
+
+@needs_cuda
+@pytest.mark.parametrize("levels", [1, 3])
+def test_exact_dots_give_exact_scores_and_ties_to_low_ids(levels):
+    """Small-integer inputs: every dot product is exact in any order, so scores equal the
+    twin's bit for bit and the many ties resolve to the lowest ids exactly as specified."""
+    rng = np.random.default_rng([43, levels])
+    q, k, q4, km, pos, pm = _inputs(rng, 96, 6000, quantized=True)
+    got = select_prefill_cuda(q4, km, pm)
+    twin = select_blocks_portable(bf16(q), km, pm)
+    for a, b in zip(got, twin, strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+@needs_cuda
+def test_chunks_equal_one_plane():
+    rng = np.random.default_rng(47)
+    _, _, q4, km, _, pm = _inputs(rng, 200, 9000)
+    whole = select_prefill_cuda(q4, km, pm)
+    for chunk in (48, 64, 199):
+        part = select_prefill_cuda(q4, km, pm, chunk=chunk)
+        for a, b in zip(whole, part, strict=True):
+            assert mx.array_equal(a, b).item()
+
+
+@needs_cuda
+def test_scores_plane_and_summaries():
+    rng = np.random.default_rng(53)
+    q, k, q4, km, pos, pm = _inputs(rng, 70, 3000)
+    adj, summ, nbs = prefill_scores_cuda(q4, km, pm)
+    ref = ref_adj(q, k)
+    nb = (pos + 1) // 4
+    np.testing.assert_array_equal(np.array(nbs), nb)
+    a = np.array(adj)
+    for r in (0, 33, 69):
+        np.testing.assert_allclose(a[r, : nb[r]], ref[r, : nb[r]], rtol=1e-5, atol=1e-6)
+    s = np.array(summ).reshape(70, -1, 8)
+    # each complete chunk's summaries are its 8 largest keys (order-preserving uint32), descending
+    for r in (0, 69):
+        for c in range(nb[r] // 32):
+            vals = np.sort(a[r, 32 * c : 32 * c + 32])[::-1][:8]
+            top = s[r, c].astype(np.uint32)
+            assert (top > 0).all()
+            f = (
+                np.where(top & 0x80000000, top & 0x7FFFFFFF, ~top)
+                .astype(np.uint32)
+                .view(np.float32)
+            )
+            np.testing.assert_array_equal(f, vals.astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill_flash attention
+
+
+def _flash_inputs(rng, H, Hkv, d, K, ratio, positions):
+    """Random q, K/V backings and per-row selections in a random order; every token no row
+    lists is NaN (a kernel that read one would show it), invalid entries hold garbage ids."""
+    S = len(positions)
+    T = int(positions.max()) + 1
+    cap = -(-T // 256) * 256
+    q = rng.standard_normal((1, H, S, d)).astype(np.float32)
+    keys = rng.standard_normal((1, Hkv, cap, d)).astype(np.float32)
+    values = rng.standard_normal((1, Hkv, cap, d)).astype(np.float32)
+    ids = rng.integers(-(1 << 20), 1 << 20, (S, K)).astype(np.int32)
+    valid = np.zeros((S, K), bool)
+    tokens = []
+    for r, p in enumerate(positions):
+        nb = (p + 1) // ratio
+        keff = min(K, nb)
+        sel = rng.permutation(nb)[:keff] if nb else np.zeros(0, np.int64)
+        ids[r, :keff], valid[r, :keff] = sel, True
+        blk = (sel[:, None] * ratio + np.arange(ratio)).reshape(-1)
+        tokens.append(np.concatenate([blk, np.arange(nb * ratio, p + 1)]).astype(np.int64))
+    listed = np.zeros(cap, bool)
+    listed[np.concatenate(tokens)] = True
+    listed[0] = True  # the portable twin reads token 0 for its invalid slots (weight 0)
+    keys[:, :, ~listed], values[:, :, ~listed] = np.nan, np.nan
+    arrays = (bf16(q), bf16(keys), bf16(values), mx.array(ids), mx.array(valid))
+    return arrays, tokens
+
+
+def _ref_rows(q, keys, values, tokens, scale, g):
+    qn, kn, vn = to_np(q)[0].astype(np.float64), to_np(keys)[0], to_np(values)[0]
+    out = np.zeros(qn.shape)
+    for r, tok in enumerate(tokens):
+        for h in range(qn.shape[0]):
+            k, v = kn[h // g, tok].astype(np.float64), vn[h // g, tok].astype(np.float64)
+            s = k @ qn[h, r] * scale
+            e = np.exp(s - s.max())
+            out[h, r] = e @ v / e.sum()
+    return out
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "H,Hkv,d,K,ratio,positions",
+    [
+        (24, 2, 256, 512, 4, np.arange(0, 90)),  # dense regime: every block, short lists
+        (24, 2, 256, 512, 4, np.arange(2030, 2101)),  # across the first sparse token
+        (24, 2, 256, 512, 4, np.arange(40000, 40130)),  # sparse, uneven count
+        (8, 2, 128, 16, 4, np.arange(50, 117)),
+        (4, 1, 64, 8, 2, np.arange(0, 41)),
+        (16, 1, 128, 32, 1, np.arange(300, 333)),
+    ],
+)
+def test_prefill_flash_matches_float64_and_the_portable_path(H, Hkv, d, K, ratio, positions):
+    rng = np.random.default_rng([59, H, d, K, ratio, int(positions[0])])
+    (q, keys, values, ids, valid), tokens = _flash_inputs(rng, H, Hkv, d, K, ratio, positions)
+    pos = mx.array(positions.astype(np.int32))
+    scale = 1 / math.sqrt(d)
+    out = prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=scale, ratio=ratio)
+    assert out.shape == q.shape and out.dtype == mx.bfloat16
+    got = to_np(out)[0]
+    ref = _ref_rows(q, keys, values, tokens, scale, H // Hkv)
+    assert np.isfinite(got).all()
+    for r in range(len(positions)):
+        assert _rel(got[:, r], ref[:, r]) <= 1e-2, f"row {r} (position {positions[r]})"
+    twin = to_np(prefill_flash(q, keys, values, ids, valid, pos, ratio, scale))[0]
+    assert _rel(got, twin) <= 1e-2
+    again = prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=scale, ratio=ratio)
+    assert mx.array_equal(out, again).item()  # fixed merge order: the same bits every run
+
+
+@needs_cuda
+def test_prefill_flash_reads_a_transposed_q_in_place():
+    """q as the layer makes it: a [1, H, S, d] view of a [1, S, H, d] buffer."""
+    rng = np.random.default_rng(61)
+    positions = np.arange(2500, 2564)
+    (q, keys, values, ids, valid), _ = _flash_inputs(rng, 24, 2, 256, 512, 4, positions)
+    qv = mx.contiguous(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    pos = mx.array(positions.astype(np.int32))
+    a = prefill_flash_cuda(qv, keys, values, ids, valid, pos, scale=1 / 16)
+    b = prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=1 / 16)
+    assert mx.array_equal(a, b).item()
+
+
+def test_prefill_flash_argument_errors():
+    q = bf16(np.zeros((1, 24, 3, 256)))
+    kv = bf16(np.zeros((1, 2, 256, 256)))
+    ids, valid = mx.zeros((3, 512), mx.int32), mx.zeros((3, 512), mx.bool_)
+    pos = mx.array([5, 6, 7], dtype=mx.int32)
+    with pytest.raises(ValueError, match="ids must have 3 rows"):
+        prefill_flash_cuda(q, kv, kv, ids[:2], valid[:2], pos, scale=1 / 16)
+    with pytest.raises(ValueError, match="valid must have shape"):
+        prefill_flash_cuda(q, kv, kv, ids, valid[:, :4], pos, scale=1 / 16)
+    with pytest.raises(ValueError, match="positions must be int32"):
+        prefill_flash_cuda(q, kv, kv, ids, valid, pos.astype(mx.int64), scale=1 / 16)
+    with pytest.raises(ValueError, match="keys head_dim"):
+        prefill_flash_cuda(q, kv[..., :128], kv[..., :128], ids, valid, pos, scale=1 / 16)
+    assert prefill_flash_unsupported(mx.bfloat16, 24, 2, 256, 4) is None
+    assert "16 query heads" in prefill_flash_unsupported(mx.bfloat16, 24, 1, 256, 4)
+    assert "bfloat16" in prefill_flash_unsupported(mx.float32, 24, 2, 256, 4)
+    if not mx.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            prefill_flash_cuda(q, kv, kv, ids, valid, pos, scale=1 / 16)
