@@ -200,6 +200,7 @@ def test_prefill_flash_argument_errors():
     assert prefill_flash_unsupported(mx.bfloat16, 24, 2, 256, 4) is None
     assert "16 query heads" in prefill_flash_unsupported(mx.bfloat16, 24, 1, 256, 4)
     assert "bfloat16" in prefill_flash_unsupported(mx.float32, 24, 2, 256, 4)
+    assert "shared memory" in prefill_flash_unsupported(mx.bfloat16, 24, 2, 256, 4, 4096)
     if not mx.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             prefill_flash_cuda(q, kv, kv, ids, valid, pos, scale=1 / 16)

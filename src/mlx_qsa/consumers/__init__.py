@@ -68,7 +68,8 @@ def dispatch(
             from ..kernels.prefill_flash import prefill_flash_cuda, prefill_flash_unsupported
 
             n_heads, n_kv, d = q.shape[1], keys.shape[1], q.shape[-1]
-            if prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio) is None:
+            why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio, sel.ids.shape[1])
+            if why is None:
                 return prefill_flash_cuda(
                     q, keys, values, sel.ids, sel.valid, positions, scale=scale, ratio=ratio
                 )

@@ -1,27 +1,28 @@
 //// kernel: attend
 // Block-sparse prefill attention on tensor cores (RUNTIME.md §8 `prefill_flash`): one CTA per
-// (row, KV head j) attends the G <= 16 query heads of j (one m16 tile, rows past G are zero)
+// (KV head j, row) attends the G <= 16 query heads of j (one m16 tile, rows past G are zero)
 // over the row's valid selected blocks (each RATIO tokens) plus its own 0..RATIO-1 tail tokens.
 // q [1, H, S, D] bf16 (last axis contiguous); keys, values [1, HKV, cap, D] bf16 read in place;
 // ids [S, K] int32, valid [S, K] bool, pos [S] int32 -> out [1, H, S, D] bf16.
 // The row's tokens are listed in selection order, then streamed through shared memory 64 at a
-// time (cp.async, two stages, tokens past the list zero-filled). Warp w owns tokens
+// time (cp.async, NSTAGE = 3 stages, tokens past the list zero-filled). CTAs run KV head by KV
+// head (j-major grid) so that one head's K/V working set can stay in L2. Warp w owns tokens
 // 16w..16w+15 of each stage: S = Q K^T with mma.sync m16n8k16 (bf16 in, float32 accumulate),
 // an online softmax in float32 (base 2), then O += P V with P rounded to bf16 and V fragments
 // from ldmatrix.trans. The four warps' (m, l, O) are merged in a fixed order at the end.
 // Template: D, G, HKV, K, RATIO, SCALE_BITS. 128 threads; dynamic shared memory:
-// 2 stages x (K, V) x 64 x (D + 8) bf16, q 16 x (D + 8) bf16, token list K * RATIO + RATIO int.
-constexpr int NT = 128, STEP = 64, VS = D + 8, NTILE = D / 8;
+// 3 stages x (K, V) x 64 x (D + 8) bf16, q 16 x (D + 8) bf16, token list K * RATIO + RATIO int.
+constexpr int NT = 128, STEP = 64, VS = D + 8, NTILE = D / 8, NSTAGE = 3;
 constexpr int EPT = (K + NT - 1) / NT;
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 __nv_bfloat16* kv_s = reinterpret_cast<__nv_bfloat16*>(qsa_dyn_smem);
-__nv_bfloat16* q_s = kv_s + 2 * 2 * STEP * VS;
+__nv_bfloat16* q_s = kv_s + NSTAGE * 2 * STEP * VS;
 int* tok_s = reinterpret_cast<int*>(q_s + 16 * VS);
 __shared__ int scan_s[NT / 32 + 1];
 __shared__ float ml_s[4][16][2];
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int S = q_shape[2];
-const int j = blockIdx.x % HKV, row = blockIdx.x / HKV;
+const int j = blockIdx.x / S, row = blockIdx.x % S;
 const long long cap = keys_shape[2];
 const int p = pos[row * pos_strides[0]];
 
@@ -81,8 +82,9 @@ auto load_stage = [&](int st, int t0) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dv),
                  "l"(vg + tok * values_strides[2] + dc * 8), "r"(nbytes));
   }
-  asm volatile("cp.async.commit_group;\n" ::);
 };
+// one commit group per stage slot, empty past the list, so the wait count is uniform
+auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
 
 // Per-thread state: rows r0 = lane / 4 and r1 = r0 + 8 of the m16 tile.
 const float sl2 = __int_as_float(SCALE_BITS) * 1.4426950408889634f;
@@ -95,18 +97,19 @@ float m0 = qsa::neg_inf(), m1 = qsa::neg_inf(), l0 = 0.f, l1 = 0.f;
 const int ar = lane >> 2, ak = 2 * (lane & 3);
 
 const int n_steps = (n_tok + STEP - 1) / STEP;
-if (n_steps > 0) load_stage(0, 0);
+#pragma unroll
+for (int st = 0; st < NSTAGE - 1; ++st) {
+  if (st < n_steps) load_stage(st, st * STEP);
+  commit();
+}
 for (int s = 0; s < n_steps; ++s) {
-  if (s + 1 < n_steps) {
-    load_stage((s + 1) & 1, (s + 1) * STEP);
-    asm volatile("cp.async.wait_group 1;\n" ::);
-  } else {
-    asm volatile("cp.async.wait_group 0;\n" ::);
-  }
+  if (s + NSTAGE - 1 < n_steps) load_stage((s + NSTAGE - 1) % NSTAGE, (s + NSTAGE - 1) * STEP);
+  commit();
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(NSTAGE - 1));  // stage s has landed
   __syncthreads();
   const int tb = s * STEP + 16 * warp;  // the warp's first token of this stage
   if (tb < n_tok) {                      // warp-uniform
-    const __nv_bfloat16* ks = kv_s + (s & 1) * 2 * STEP * VS + 16 * warp * VS;
+    const __nv_bfloat16* ks = kv_s + (s % NSTAGE) * 2 * STEP * VS + 16 * warp * VS;
     const __nv_bfloat16* vs = ks + STEP * VS;
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -192,8 +195,10 @@ for (int s = 0; s < n_steps; ++s) {
           : "r"(pa0), "r"(pa1), "r"(pa2), "r"(pa3), "r"(b2), "r"(b3));
     }
   }
-  __syncthreads();  // the next iteration refills this stage
+  __syncthreads();  // a later iteration refills this stage
 }
+asm volatile("cp.async.wait_group 0;\n" ::);  // only empty groups can remain; drain anyway
+__syncthreads();
 
 // 2. Merge the warps: row sums over the quad, then M = max_w m_w, L = sum_w l_w 2^(m_w - M).
 #pragma unroll

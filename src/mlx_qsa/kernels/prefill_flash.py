@@ -11,11 +11,16 @@ import mlx.core as mx
 
 from . import _launch
 
-_NT, _STEP, _MAX_G = 128, 64, 16
+_NT, _STEP, _NSTAGE, _MAX_G = 128, 64, 3, 16
 
 
-def prefill_flash_unsupported(dtype, n_heads: int, n_kv: int, d: int, ratio: int) -> str | None:
-    """Why the kernel cannot take these shapes, or None if it can."""
+_SMEM_LIMIT = 227 * 1024 - 1024  # dynamic shared memory per CTA on sm_90, less the static part
+
+
+def prefill_flash_unsupported(
+    dtype, n_heads: int, n_kv: int, d: int, ratio: int, k: int = 512
+) -> str | None:
+    """Why the kernel cannot take these shapes (`k` blocks per row), or None if it can."""
     why = _launch.attention_unsupported(dtype, n_heads, n_kv, d)
     if why is not None:
         return why
@@ -23,12 +28,14 @@ def prefill_flash_unsupported(dtype, n_heads: int, n_kv: int, d: int, ratio: int
         return f"at most {_MAX_G} query heads per KV head (one m16 tile), got {n_heads // n_kv}"
     if ratio < 1:
         return f"ratio must be >= 1, got {ratio}"
+    if smem_bytes(d, k, ratio) > _SMEM_LIMIT:
+        return f"a row's {k} x {ratio} token list does not fit in shared memory beside the stages"
     return None
 
 
 def smem_bytes(d: int, k: int, ratio: int) -> int:
-    """Dynamic shared memory: two K/V stages, the query tile, the row's token list."""
-    return 2 * 2 * _STEP * (d + 8) * 2 + 16 * (d + 8) * 2 + (k * ratio + ratio) * 4
+    """Dynamic shared memory: the K/V stages, the query tile, the row's token list."""
+    return _NSTAGE * 2 * _STEP * (d + 8) * 2 + 16 * (d + 8) * 2 + (k * ratio + ratio) * 4
 
 
 def prefill_flash_cuda(
@@ -58,12 +65,12 @@ def prefill_flash_cuda(
             f"{fn}: positions must be int32 [{rows}], got {list(positions.shape)} {positions.dtype}"
         )
     _launch.require_cuda(fn)
-    why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio)
+    k = ids.shape[1]
+    why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio, k)
     if why is not None:
         raise NotImplementedError(f"{fn}: {why}")
     if not scale > 0:
         raise ValueError(f"{fn}: scale must be a positive float, got {scale}")
-    k = ids.shape[1]
     kernel = _launch.build(
         "prefill_flash.cu",
         "attend",
