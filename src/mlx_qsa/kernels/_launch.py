@@ -103,6 +103,20 @@ def check_ndim(fn: str, arg: str, a: mx.array, ndim: int, what: str) -> None:
         raise ValueError(f"{fn}: {arg} must be {what}, got shape {list(a.shape)}")
 
 
+def check_row_lists(fn: str, rows: int, names: tuple[str, str], lists, mask, what: str) -> None:
+    """A per-row int32 list `[S, W]` (ids or slots) and its bool validity mask of the same shape."""
+    ln, mn = names
+    check_ndim(fn, ln, lists, 2, what)
+    if lists.shape[0] != rows:
+        raise ValueError(f"{fn}: {ln} must have {rows} rows (q's S), got {list(lists.shape)}")
+    check_dtype(fn, ln, lists, (mx.int32,))
+    if mask.shape != lists.shape:
+        raise ValueError(
+            f"{fn}: {mn} must have shape {list(lists.shape)}, got {list(mask.shape)}"
+        )
+    check_dtype(fn, mn, mask, (mx.bool_,))
+
+
 def float_bits(x: float) -> int:
     """The float32 bit pattern of ``x`` as a signed int32 (a template value)."""
     import struct

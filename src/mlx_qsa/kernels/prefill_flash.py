@@ -53,13 +53,7 @@ def prefill_flash_cuda(
     positions int32 `[S]` -> `[1, H, S, d]` bf16. A row without tokens gives 0."""
     fn = "prefill_flash_cuda"
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
-    _launch.check_ndim(fn, "ids", ids, 2, "[S, K]")
-    if ids.shape[0] != rows:
-        raise ValueError(f"{fn}: ids must have {rows} rows (q's S), got {list(ids.shape)}")
-    _launch.check_dtype(fn, "ids", ids, (mx.int32,))
-    if valid.shape != ids.shape:
-        raise ValueError(f"{fn}: valid must have shape {list(ids.shape)}, got {list(valid.shape)}")
-    _launch.check_dtype(fn, "valid", valid, (mx.bool_,))
+    _launch.check_row_lists(fn, rows, ("ids", "valid"), ids, valid, "[S, K]")
     if positions.shape != (rows,) or positions.dtype != mx.int32:
         raise ValueError(
             f"{fn}: positions must be int32 [{rows}], got {list(positions.shape)} {positions.dtype}"

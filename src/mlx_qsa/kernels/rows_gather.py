@@ -15,15 +15,7 @@ from . import _launch
 
 def _check(fn: str, q, keys, values, slots, slot_valid):
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
-    _launch.check_ndim(fn, "slots", slots, 2, "[S, W]")
-    if slots.shape[0] != rows:
-        raise ValueError(f"{fn}: slots must have {rows} rows (q's S), got {list(slots.shape)}")
-    _launch.check_dtype(fn, "slots", slots, (mx.int32,))
-    if slot_valid.shape != slots.shape:
-        raise ValueError(
-            f"{fn}: slot_valid must have shape {list(slots.shape)}, got {list(slot_valid.shape)}"
-        )
-    _launch.check_dtype(fn, "slot_valid", slot_valid, (mx.bool_,))
+    _launch.check_row_lists(fn, rows, ("slots", "slot_valid"), slots, slot_valid, "[S, W]")
     return n_heads, rows, n_kv, d
 
 
