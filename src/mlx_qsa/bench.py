@@ -549,9 +549,10 @@ def prefill_flops(cfg: QSAConfig, P: int, S: int) -> dict[str, int]:
 
 def prefill_components(
     cfg: QSAConfig, sets: list[DecodeSet], impl: str, args: argparse.Namespace
-) -> dict[str, dict[str, Any]]:
+) -> tuple[dict[str, dict[str, Any]], tuple[Selection, mx.array]]:
     """Selection (scoring + exact top-k, RUNTIME §6.3 chunks) and attention (the routed
-    prefill consumer) of the chunk's rows, timed apart and together."""
+    prefill consumer) of the chunk's rows, timed apart and together; also set 0's selection
+    and output (for the CUDA-against-portable checks)."""
     r, K = cfg.indexer_compress_ratio, cfg.block_topk
     caps = plan.Capabilities.reference()
     S, P = sets[0].rows, sets[0].T - sets[0].rows

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import _launch
-from .selector import _CAP, _L, _NT_TOPK
+from .selector import _L, top_k_from_plane
 
 _TR, _TB = 64, 64  # rows and blocks per CTA
 
@@ -84,30 +84,14 @@ def select_prefill_cuda(
     `indexer.top_blocks` lays them out; `chunk` rows per score plane (default: all)."""
     S = index_q.shape[2]
     chunk = S if chunk is None else chunk
-    topk = _launch.build(
-        "selector.cu",
-        "topk",
-        ("adj", "summ", "nbs", "pos"),
-        ("ids", "valid", "scores"),
-        ("blocks",),
-        shared_memory=_CAP * 8 + 4 * max(2048, -(-pooled.shape[1] // _TB) * _TB // 32),
-        ensure_row_contiguous=True,
-    )
-    K = block_topk
+    npad = -(-pooled.shape[1] // _TB) * _TB
     parts = []
     for r0 in range(0, S, chunk):
         r1 = min(S, r0 + chunk)
         p = pos[r0:r1]
         adj, summ, nbs = prefill_scores_cuda(index_q[:, :, r0:r1], pooled, p, ratio=ratio)
         parts.append(
-            topk(
-                inputs=[adj, summ, nbs, p],
-                template=[("K", K), ("RATIO", ratio), ("L", _L), ("CAP", _CAP), ("NT", _NT_TOPK)],
-                grid=((r1 - r0) * _NT_TOPK, 1, 1),
-                threadgroup=(_NT_TOPK, 1, 1),
-                output_shapes=[(r1 - r0, K)] * 3,
-                output_dtypes=[mx.int32, mx.bool_, mx.float32],
-            )
+            top_k_from_plane(adj, summ, nbs, p, block_topk=block_topk, ratio=ratio, npad=npad)
         )
     if len(parts) == 1:
         return tuple(parts[0])

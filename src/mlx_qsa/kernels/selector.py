@@ -179,6 +179,24 @@ def select_blocks_cuda(
         output_shapes=[(S, npad), (S, npad // 32 * _L), (S,)],
         output_dtypes=[mx.float32, mx.uint32, mx.int32],
     )
+    return top_k_from_plane(adj, summ, nbs, pos, block_topk=K, ratio=ratio, npad=npad, mode=mode)
+
+
+def top_k_from_plane(
+    adj: mx.array,
+    summ: mx.array,
+    nbs: mx.array,
+    pos: mx.array,
+    *,
+    block_topk: int,
+    ratio: int,
+    npad: int,
+    mode: str = "blocks",
+) -> tuple[mx.array, ...]:
+    """The top-k kernel over a score plane `adj [S, npad]` and its chunk summaries (from the
+    decode score kernel or the prefill producer): (ids, valid, scores) per row, plus
+    (slots, slot_valid) in `row_tokens` mode."""
+    S, K = adj.shape[0], block_topk
     rows = mode == "row_tokens"
     outputs = ("ids", "valid", "scores") + (("slots", "slot_valid") if rows else ())
     # One size class per bitmap bound, so the dynamic shared memory never changes under a name.
