@@ -8,6 +8,10 @@
 # prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples)
 # overhead: host µs per MLX primitive, CUDA graphs on and off (benchmarks/mlx_overhead.py)
 # quick:   a decode subset with CUDA graphs on and off
+# parts:   the prefill kernels one at a time, bytes floor, selection overlap (prefill_parts.py)
+# ncuprefill: Nsight Compute sections of the prefill kernels at 32K and 128K
+# tp1:     bench --tp 1 through mlx.launch --backend nccl (a group of one on this GPU)
+# decodeab: the 128K decode point three times in a row (run-to-run spread), distinct files
 # Everything goes under $OUT.
 set -uo pipefail
 OUT="${OUT:-/tmp/qsa-out}"
@@ -59,6 +63,35 @@ PY
       for g in 1 0; do
         MLX_USE_CUDA_GRAPHS=$g timeout 250 python3 -m mlx_qsa bench decode --contexts 8k,128k \
           --rows 1,8 --no-torch --out "$OUT/decode_quick_graphs$g.json" 2>&1 | tee -a "$OUT/quick.log"
+      done ;;
+    parts)
+      timeout 400 python3 benchmarks/prefill_parts.py "$OUT/prefill_parts.json" 2>&1 \
+        | tee "$OUT/prefill_parts.log"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    ncuprefill)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      for pre in 32768 131072; do
+        MLX_USE_CUDA_GRAPHS=0 timeout 200 "$NCU" --clock-control none --cache-control all \
+          -k regex:qsa_ --section SpeedOfLight --section MemoryWorkloadAnalysis \
+          --section Occupancy --section WarpStateStats --section LaunchStats \
+          python3 benchmarks/ncu_prefill.py $pre > "$OUT/ncu_prefill_$pre.txt" 2>&1
+        echo "ncu prefill $pre rc $?"; grep -E "qsa_|Duration|DRAM Through|L2 Hit|Memory Through|Achieved Occ" \
+          "$OUT/ncu_prefill_$pre.txt" | head -60
+      done ;;
+    tp1)
+      timeout 300 python3 -c 'import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = "mlx.launch"; main()' \
+        --backend nccl -n 1 --env NCCL_NVLS_ENABLE=0 --env "PYTHONPATH=$PYTHONPATH" -- \
+        python3 -c 'import mlx.core as mx; g = mx.distributed.init(strict=True, backend="nccl"); x = mx.distributed.all_sum(mx.ones(4), group=g); mx.eval(x); print("nccl group size", g.size(), "rank", g.rank(), "all_sum", x.tolist())' \
+        2>&1 | tee "$OUT/tp1_nccl_probe.log"
+      timeout 400 python3 -c 'import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = "mlx.launch"; main()' \
+        --backend nccl -n 1 --env NCCL_NVLS_ENABLE=0 --env "PYTHONPATH=$PYTHONPATH" -- \
+        python3 -m mlx_qsa bench decode --tp 1 --contexts 32k,128k --rows 1 --out "$OUT/tp1_nccl_decode.json" \
+        2>&1 | tee "$OUT/tp1_nccl.log"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    decodeab)
+      for i in 1 2 3; do
+        timeout 200 python3 -m mlx_qsa bench decode --contexts 128k --rows 1 --no-torch --repeats 15 \
+          --out "$OUT/decode_128k_rep$i.json" 2>&1 | tee -a "$OUT/decodeab.log" | tail -3
       done ;;
     prefill)
       timeout 560 python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 \

@@ -98,6 +98,12 @@ def test_prefill_document(tmp_path) -> None:
         toks * 4 * 24 * 256 / t["qsa_portable_attention"]["median_us"] / 1e6
     )
     assert r["of_ceiling"] == pytest.approx(r["tflops"] / doc["matmul_ceiling"]["tflops"])
+    # K and V of every attended token, both KV heads, bf16; no copy bandwidth off CUDA
+    assert p["attention_kv_bytes"] == toks * 2 * 256 * 2 * 2
+    assert r["kv_gbps"] == pytest.approx(
+        p["attention_kv_bytes"] / t["qsa_portable_attention"]["median_us"] / 1e3
+    )
+    assert "copy_bandwidth" not in doc and "kv_of_copy" not in r
 
 
 def test_tp_needs_a_matching_group() -> None:

@@ -77,21 +77,19 @@ def test_scores_plane_and_summaries():
     nb = (pos + 1) // 4
     np.testing.assert_array_equal(np.array(nbs), nb)
     a = np.array(adj)
-    for r in (0, 33, 69):
+    for r in range(70):
         np.testing.assert_allclose(a[r, : nb[r]], ref[r, : nb[r]], rtol=1e-5, atol=1e-6)
     s = np.array(summ).reshape(70, -1, 8)
-    # each complete chunk's summaries are its 8 largest keys (order-preserving uint32), descending
-    for r in (0, 69):
-        for c in range(nb[r] // 32):
-            vals = np.sort(a[r, 32 * c : 32 * c + 32])[::-1][:8]
-            top = s[r, c].astype(np.uint32)
-            assert (top > 0).all()
-            f = (
-                np.where(top & 0x80000000, top & 0x7FFFFFFF, ~top)
-                .astype(np.uint32)
-                .view(np.float32)
-            )
-            np.testing.assert_array_equal(f, vals.astype(np.float32))
+    # every row's chunks up to its last block: the 8 largest order keys of the chunk's blocks
+    # below nb, descending, 0 past them (the partial last chunk included)
+    u = a.view(np.uint32)
+    keys = np.where(u & 0x80000000, ~u, u | 0x80000000).astype(np.uint32)
+    keys[np.arange(a.shape[1])[None, :] >= nb[:, None]] = 0
+    for r in range(70):
+        for c in range(-(-nb[r] // 32)):
+            want = np.sort(keys[r, 32 * c : 32 * c + 32])[::-1][:8]
+            got = s[r, c].astype(np.uint32)
+            np.testing.assert_array_equal(got, want, err_msg=f"row {r} chunk {c}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -504,6 +504,7 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         sets = [DecodeSet(cfg, T, S, seed=7 * T + i) for i in range(args.sets)]
         work = prefill_flops(cfg, P, S)
         rec["flops"] = work
+        rec["attention_kv_bytes"] = prefill_kv_bytes(cfg, P, S)
         outs = {}
         for impl in impls:
             comp, outs[impl] = prefill_components(cfg, sets, impl, args)
@@ -533,18 +534,33 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
             rec["skipped"] = {"torch_dense_causal_sdpa": "torch with CUDA is not importable here"}
         points.append(rec)
         _progress_prefill(rec)
-    return {"matmul_ceiling": matmul_ceiling(args.ceiling_n), "points": points}
+    body: dict[str, Any] = {"matmul_ceiling": matmul_ceiling(args.ceiling_n), "points": points}
+    if backend == "cuda":  # the attention's bytes against what a plain copy moves
+        body["copy_bandwidth"] = copy_bandwidth(args.copy_bytes)
+    return body
+
+
+def _prefill_counts(cfg: QSAConfig, P: int, S: int) -> tuple[int, int]:
+    """(visible blocks, attended tokens) summed over the chunk's rows."""
+    r, K = cfg.indexer_compress_ratio, cfg.block_topk
+    nb = [(p + 1) // r for p in range(P, P + S)]
+    tokens = [min(b, K) * r + (p + 1) % r for b, p in zip(nb, range(P, P + S), strict=True)]
+    return sum(nb), sum(tokens)
 
 
 def prefill_flops(cfg: QSAConfig, P: int, S: int) -> dict[str, int]:
     """Useful FLOPs of one chunk: indexer scoring (every visible block, every head), sparse
     attention (QK and PV over each row's selected tokens)."""
-    r, K = cfg.indexer_compress_ratio, cfg.block_topk
+    blocks, tokens = _prefill_counts(cfg, P, S)
     H_I, d_I = cfg.indexer_n_heads, cfg.indexer_head_dim
     H, d = cfg.num_attention_heads, cfg.head_dim
-    nb = [(p + 1) // r for p in range(P, P + S)]
-    tokens = [min(b, K) * r + (p + 1) % r for b, p in zip(nb, range(P, P + S), strict=True)]
-    return {"indexer": 2 * H_I * d_I * sum(nb), "sparse_attention": 4 * H * d * sum(tokens)}
+    return {"indexer": 2 * H_I * d_I * blocks, "sparse_attention": 4 * H * d * tokens}
+
+
+def prefill_kv_bytes(cfg: QSAConfig, P: int, S: int) -> int:
+    """K and V bytes the chunk's sparse attention reads: every row's selected tokens, every KV
+    head, bf16 (rows share no tokens in the worst case; L2 serves what they do share)."""
+    return _prefill_counts(cfg, P, S)[1] * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
 
 
 def prefill_components(
@@ -667,6 +683,11 @@ def prefill_rates(doc_body: dict[str, Any]) -> None:
                 continue
             tf = flops / (t["median_us"] * 1e-6) / 1e12
             rates[name] = {"tflops": tf, "of_ceiling": tf / ceiling}
+            if name.endswith("_attention") and "attention_kv_bytes" in p:
+                gbps = p["attention_kv_bytes"] / (t["median_us"] * 1e-6) / 1e9
+                rates[name]["kv_gbps"] = gbps
+                if "copy_bandwidth" in doc_body:
+                    rates[name]["kv_of_copy"] = gbps / doc_body["copy_bandwidth"]["gbps"]
         p["rates"] = rates
 
 
@@ -784,7 +805,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ceiling-n", type=int, default=None, help="matmul size of the ceiling (prefill)"
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel group size (mx.distributed)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel group size (mx.distributed; 1 = the sharded path on a group of one)",
+    )
     p.add_argument("--no-torch", action="store_true", help="skip the torch peer")
     p.add_argument("--no-layer", action="store_true", help="skip the whole-layer columns")
     p.add_argument("--portable-only", action="store_true")
@@ -801,7 +827,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("bench: --sets and --repeats must be >= 1, --warmup >= 0")
     backend = backend_name()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    if args.tp > 1:
+    if args.tp is not None:
         body = run_tp(args)
     else:
         body = run_decode(args) if args.mode == "decode" else run_prefill(args)

@@ -327,4 +327,37 @@ __device__ void merge_splits(const float* o, const float* ml, int d, __nv_bfloat
   out[d] = __float2bfloat16(res);
 }
 
+// Compare-exchange putting the larger key first.
+__device__ __forceinline__ void ce_desc(unsigned& a, unsigned& b) {
+  const unsigned hi = max(a, b), lo = min(a, b);
+  a = hi;
+  b = lo;
+}
+
+// The 8 largest of the 32 keys a lane quad holds (lanes 4q..4q+3, 8 each), descending, left in
+// every lane of the quad, duplicates kept: a 19-comparator sort of 8 in registers, then two
+// bitonic merges with lanes ^1 and ^2. Every lane of the warp must call it.
+__device__ __forceinline__ void top8_of_quad(unsigned (&k)[8]) {
+  ce_desc(k[0], k[2]); ce_desc(k[1], k[3]); ce_desc(k[4], k[6]); ce_desc(k[5], k[7]);
+  ce_desc(k[0], k[4]); ce_desc(k[1], k[5]); ce_desc(k[2], k[6]); ce_desc(k[3], k[7]);
+  ce_desc(k[0], k[1]); ce_desc(k[2], k[3]); ce_desc(k[4], k[5]); ce_desc(k[6], k[7]);
+  ce_desc(k[2], k[4]); ce_desc(k[3], k[5]);
+  ce_desc(k[1], k[4]); ce_desc(k[3], k[6]);
+  ce_desc(k[1], k[2]); ce_desc(k[3], k[4]); ce_desc(k[5], k[6]);
+#pragma unroll
+  for (int m = 1; m <= 2; m <<= 1) {
+    unsigned p[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) p[i] = __shfl_xor_sync(FULL_MASK, k[i], m);
+    // max(k[i], p[7 - i]) holds the 8 largest of both lists as a bitonic sequence
+#pragma unroll
+    for (int i = 0; i < 8; ++i) k[i] = max(k[i], p[7 - i]);
+#pragma unroll
+    for (int d = 4; d >= 1; d >>= 1)
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if ((i & d) == 0) ce_desc(k[i], k[i + d]);
+  }
+}
+
 }  // namespace qsa

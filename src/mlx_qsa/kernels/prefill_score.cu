@@ -6,25 +6,31 @@
 // -> adj [C, npad] float32 (npad = cap rounded up to 64; only b < nb(row) meaningful),
 //    summ [C, npad / 32, L] uint32 (the L largest order keys of each 32-block chunk, descending,
 //    0 = none; chunks past a row's blocks unwritten), nbs [C] int32 = min((p + 1) / RATIO, cap).
-// CTA: 64 rows x 64 blocks, 4 warps; warp w owns rows 16w..16w+15. Per head, mma.sync
-// m16n8k16 (bf16 in, float32 accumulate) over d = 0..127, then ReLU per head, head sum in
-// order h = 0..3, float32 division by sqrt(128), minus float32(b) * 1e-12 (all rounded, no FMA).
-// Grid (C / 64 row tiles) * (npad / 64 block tiles) CTAs of 128 threads, block tiles fastest.
-// Dynamic shared memory: q tile 64 x 4 x (128 + 8) bf16, key tile 64 x (128 + 8) bf16, adj tile
-// 64 x 65 float32. Template: RATIO, L.
-constexpr int DI = 128, HI = 4, TR = 64, TB = 64, QS = HI * DI + 8, KS = DI + 8, AS = TB + 1;
+// CTA: 64 rows x a run of GB tiles of 64 blocks, 4 warps; warp w owns rows 16w..16w+15. The
+// rows' queries stay in shared memory for the run (loaded once, not once per tile) while the key
+// tiles stream through two cp.async buffers. Per 32-block half tile a warp runs mma.sync
+// m16n8k16 (bf16 in, float32 accumulate) over d = 0..127 for the 4 heads, sharing each k-step's
+// key fragments between heads; then ReLU per head, head sum in order h = 0..3, float32 division
+// by sqrt(128), minus float32(b) * 1e-12 (all rounded, no FMA). The plane goes out from
+// registers; a row's 32 scores of the half sit in 4 lanes (8 each), so its summary is a sort of
+// 8 in registers and two merges with the other lanes (shuffles), not 8 warp-wide reductions.
+// Grid (C / 64 row tiles) * ceil(npad / 64 / GB) CTAs of 128 threads, runs fastest.
+// Dynamic shared memory: q tile 64 x (4 x 128 + 8) bf16, 2 key tiles 64 x (128 + 8) bf16.
+// Template: RATIO, L (8), GB.
+constexpr int DI = 128, HI = 4, TR = 64, TB = 64, QS = HI * DI + 8, KS = DI + 8;
+static_assert(L == 8, "the summary sort keeps 8 keys per chunk");
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(qsa_dyn_smem);
-__nv_bfloat16* k_s = q_s + TR * QS;
-float* a_s = reinterpret_cast<float*>(k_s + TB * KS);
+__nv_bfloat16* k_s = q_s + TR * QS;  // two buffers of TB * KS
 __shared__ int nb_s[TR];
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int C = index_q_shape[2];
 const int cap = pooled_shape[1];
 const int npad = (cap + TB - 1) / TB * TB;
 const int n_btiles = npad / TB;
-const int rt = blockIdx.x / n_btiles, bt = blockIdx.x % n_btiles;
-const int r0 = rt * TR, b0 = bt * TB;
+const int n_runs = (n_btiles + GB - 1) / GB;
+const int rt = blockIdx.x / n_runs, run = blockIdx.x % n_runs;
+const int r0 = rt * TR;
 if (tid < TR) {
   const int r = r0 + tid;
   int nb = 0;
@@ -32,98 +38,127 @@ if (tid < TR) {
     const int p = pos[r];
     nb = p >= 0 ? (p + 1) / RATIO : 0;
     nb = nb < cap ? nb : cap;
-    if (bt == 0) nbs[r] = nb;
+    if (run == 0) nbs[r] = nb;
   }
   nb_s[tid] = nb;
 }
 __syncthreads();
 int maxnb = 0;
 for (int i = 0; i < TR; ++i) maxnb = max(maxnb, nb_s[i]);
-if (b0 >= maxnb) return;  // uniform: no row of the tile sees these blocks
+const int t_begin = run * GB;
+const int t_end = min(min(t_begin + GB, n_btiles), (maxnb + TB - 1) / TB);
+if (t_begin >= t_end) return;  // uniform: no row of the tile sees these blocks
 
-// Stage the tile's queries (rows past C are zero) and block keys (blocks past cap are zero).
+// 16-byte cp.async, zero-filled when !ok (rows past C, blocks past cap are zero)
+auto cp16 = [](void* dst, const void* src, bool ok) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(ok ? 16u : 0u));
+};
+auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
 for (int idx = tid; idx < TR * HI * (DI / 8); idx += 128) {
   const int r = idx / (HI * DI / 8), rem = idx % (HI * DI / 8), h = rem / (DI / 8), c = rem % (DI / 8);
-  uint4 v = make_uint4(0u, 0u, 0u, 0u);
-  if (r0 + r < C)
-    v = *reinterpret_cast<const uint4*>(index_q + ((long long)h * C + r0 + r) * DI + c * 8);
-  *reinterpret_cast<uint4*>(q_s + r * QS + h * DI + c * 8) = v;
+  const bool ok = r0 + r < C;
+  cp16(q_s + r * QS + h * DI + c * 8, index_q + ((long long)h * C + (ok ? r0 + r : 0)) * DI + c * 8, ok);
 }
-for (int idx = tid; idx < TB * (DI / 8); idx += 128) {
-  const int n = idx / (DI / 8), c = idx % (DI / 8);
-  uint4 v = make_uint4(0u, 0u, 0u, 0u);
-  if (b0 + n < cap) v = *reinterpret_cast<const uint4*>(pooled + (long long)(b0 + n) * DI + c * 8);
-  *reinterpret_cast<uint4*>(k_s + n * KS + c * 8) = v;
-}
-__syncthreads();
+auto load_keys = [&](int buf, int t) {
+  for (int idx = tid; idx < TB * (DI / 8); idx += 128) {
+    const int n = idx / (DI / 8), c = idx % (DI / 8), b = t * TB + n;
+    const bool ok = b < cap;
+    cp16(k_s + buf * TB * KS + n * KS + c * 8, pooled + (long long)(ok ? b : 0) * DI + c * 8, ok);
+  }
+};
+load_keys(0, t_begin);
+commit();
 
-// Fragments (PTX m16n8k16): A row = lane / 4 (+8), k = 2 * (lane % 4) (+8); B n = lane / 4,
-// k = 2 * (lane % 4) (+8); C row = lane / 4 (+8), col = 2 * (lane % 4) + {0, 1}.
-const int ar = warp * 16 + (lane >> 2), ak = 2 * (lane & 3);
-float tot[TB / 8][4];
+// Fragments (PTX m16n8k16): C row = lane / 4 (+8), col = 2 * (lane % 4) + {0, 1}. ldmatrix.x4
+// addresses: A (q) rows lane % 16, k half lane / 16; B (keys, stored [n][k]) n-tile lane / 16,
+// n lane % 8, k half lane / 8 % 2 -> {b0, b1} of two consecutive n-tiles.
+const int wr = warp * 16, qr = lane >> 2, ak = 2 * (lane & 3);
+const unsigned qa_base =
+    (unsigned)__cvta_generic_to_shared(q_s + (wr + (lane & 15)) * QS + (lane >> 4) * 8);
+const int rowA = r0 + wr + qr, rowB = rowA + 8;
+const int nbA = nb_s[wr + qr], nbB = nb_s[wr + qr + 8];
+for (int t = t_begin; t < t_end; ++t) {
+  const int buf = (t - t_begin) & 1;
+  if (t + 1 < t_end) load_keys(buf ^ 1, t + 1);
+  commit();
+  asm volatile("cp.async.wait_group 1;\n" ::);  // the queries and tile t have landed
+  __syncthreads();
+  const unsigned kb_base = (unsigned)__cvta_generic_to_shared(
+      k_s + buf * TB * KS + ((lane >> 4) * 8 + (lane & 7)) * KS + ((lane >> 3) & 1) * 8);
 #pragma unroll
-for (int h = 0; h < HI; ++h) {
-  float acc[TB / 8][4];
+  for (int hf = 0; hf < 2; ++hf) {
+    const int c0 = t * TB + hf * 32;  // first block of this half
+    float acc[HI][4][4];
 #pragma unroll
-  for (int nt = 0; nt < TB / 8; ++nt)
+    for (int h = 0; h < HI; ++h)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-  for (int ks = 0; ks < DI / 16; ++ks) {
-    const __nv_bfloat16* qa = q_s + ar * QS + h * DI + ks * 16 + ak;
-    const unsigned a0 = *reinterpret_cast<const unsigned*>(qa);
-    const unsigned a1 = *reinterpret_cast<const unsigned*>(qa + 8 * QS);
-    const unsigned a2 = *reinterpret_cast<const unsigned*>(qa + 8);
-    const unsigned a3 = *reinterpret_cast<const unsigned*>(qa + 8 * QS + 8);
+        for (int e = 0; e < 4; ++e) acc[h][nt][e] = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < TB / 8; ++nt) {
-      const __nv_bfloat16* kb = k_s + (nt * 8 + (lane >> 2)) * KS + ks * 16 + ak;
-      const unsigned b0r = *reinterpret_cast<const unsigned*>(kb);
-      const unsigned b1r = *reinterpret_cast<const unsigned*>(kb + 8);
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-          : "+f"(acc[nt][0]), "+f"(acc[nt][1]), "+f"(acc[nt][2]), "+f"(acc[nt][3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0r), "r"(b1r));
+    for (int ks = 0; ks < DI / 16; ++ks) {
+      unsigned bf[4][2];
+#pragma unroll
+      for (int pr = 0; pr < 2; ++pr) {
+        const unsigned addr = kb_base + ((hf * 4 + pr * 2) * 8 * KS + ks * 16) * 2;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(bf[2 * pr][0]), "=r"(bf[2 * pr][1]), "=r"(bf[2 * pr + 1][0]),
+                       "=r"(bf[2 * pr + 1][1])
+                     : "r"(addr));
+      }
+#pragma unroll
+      for (int h = 0; h < HI; ++h) {
+        unsigned a[4];
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                     : "r"(qa_base + (h * DI + ks * 16) * 2));
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          asm volatile(
+              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+              "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+              : "+f"(acc[h][nt][0]), "+f"(acc[h][nt][1]), "+f"(acc[h][nt][2]), "+f"(acc[h][nt][3])
+              : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(bf[nt][0]), "r"(bf[nt][1]));
+      }
+    }
+    // scores of rows A (e = 0, 1) and B (e = 2, 3); keys[i], i = 2 * nt + (e & 1), of this lane
+    unsigned keyA[8], keyB[8];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float tot = acc[0][nt][e] > 0.f ? acc[0][nt][e] : 0.f;
+#pragma unroll
+        for (int h = 1; h < HI; ++h) tot = __fadd_rn(tot, acc[h][nt][e] > 0.f ? acc[h][nt][e] : 0.f);
+        const int b = c0 + nt * 8 + ak + (e & 1);
+        const float score = __fdiv_rn(tot, 11.313708305358887f);
+        v[e] = __fsub_rn(score, __fmul_rn((float)b, 1e-12f));
+        const unsigned key = b < ((e >> 1) ? nbB : nbA) ? qsa::ord_key(v[e]) : 0u;
+        ((e >> 1) ? keyB : keyA)[2 * nt + (e & 1)] = key;
+      }
+      const int col = c0 + nt * 8 + ak;
+      if (rowA < C) *reinterpret_cast<float2*>(adj + (long long)rowA * npad + col) = make_float2(v[0], v[1]);
+      if (rowB < C) *reinterpret_cast<float2*>(adj + (long long)rowB * npad + col) = make_float2(v[2], v[3]);
+    }
+    qsa::top8_of_quad(keyA);
+    qsa::top8_of_quad(keyB);
+    if ((lane & 3) == 0) {
+      const long long chunk = c0 / 32;
+      if (rowA < C && c0 < nbA) {
+        uint4* d = reinterpret_cast<uint4*>(summ + ((long long)rowA * (npad / 32) + chunk) * L);
+        d[0] = make_uint4(keyA[0], keyA[1], keyA[2], keyA[3]);
+        d[1] = make_uint4(keyA[4], keyA[5], keyA[6], keyA[7]);
+      }
+      if (rowB < C && c0 < nbB) {
+        uint4* d = reinterpret_cast<uint4*>(summ + ((long long)rowB * (npad / 32) + chunk) * L);
+        d[0] = make_uint4(keyB[0], keyB[1], keyB[2], keyB[3]);
+        d[1] = make_uint4(keyB[4], keyB[5], keyB[6], keyB[7]);
+      }
     }
   }
-#pragma unroll
-  for (int nt = 0; nt < TB / 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float v = acc[nt][e] > 0.f ? acc[nt][e] : 0.f;
-      tot[nt][e] = h == 0 ? v : __fadd_rn(tot[nt][e], v);
-    }
+  __syncthreads();  // every warp is done with this buffer before it is refilled
 }
-#pragma unroll
-for (int nt = 0; nt < TB / 8; ++nt)
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int r = ar + (e >> 1) * 8, c = nt * 8 + ak + (e & 1);
-    const float score = __fdiv_rn(tot[nt][e], 11.313708305358887f);
-    a_s[r * AS + c] = __fsub_rn(score, __fmul_rn((float)(b0 + c), 1e-12f));
-  }
-__syncthreads();
-
-// Write the plane and the summaries: warp w takes rows w, w + 4, ...; a lane per block.
-for (int r = warp; r < TR; r += 4) {
-  const int row = r0 + r;
-  if (row >= C) break;
-  const int nb = nb_s[r];
-#pragma unroll
-  for (int half = 0; half < TB / 32; ++half) {
-    const int c = half * 32 + lane, b = b0 + c;
-    const float a = a_s[r * AS + c];
-    if (b < npad) adj[(long long)row * npad + b] = a;
-    if (b0 + half * 32 >= nb) continue;  // uniform per warp: chunk past the row's blocks
-    unsigned key = b < nb ? qsa::ord_key(a) : 0u;
-    unsigned* srow = summ + ((long long)row * (npad / 32) + (b0 + half * 32) / 32) * L;
-#pragma unroll
-    for (int j = 0; j < L; ++j) {
-      const unsigned m = __reduce_max_sync(qsa::FULL_MASK, key);
-      if (lane == 0) srow[j] = m;
-      const unsigned bal = __ballot_sync(qsa::FULL_MASK, key == m && m != 0u);
-      if (bal != 0u && lane == __ffs(bal) - 1) key = 0u;
-    }
-  }
-}
+asm volatile("cp.async.wait_group 0;\n" ::);

@@ -13,7 +13,7 @@ import mlx.core as mx
 from . import _launch
 from .selector import _L, top_k_from_plane
 
-_TR, _TB = 64, 64  # rows and blocks per CTA
+_TR, _TB, _GB = 64, 64, 4  # rows per CTA, blocks per tile, tiles per CTA
 
 
 def prefill_score_supports(index_q: mx.array, pooled: mx.array) -> bool:
@@ -48,8 +48,8 @@ def prefill_scores_cuda(index_q: mx.array, pooled: mx.array, pos: mx.array, *, r
     if cap < 1:
         raise ValueError(f"{fn}: pooled must hold at least one block row")
     npad = -(-cap // _TB) * _TB
-    n_cta = -(-C // _TR) * (npad // _TB)
-    smem = _TR * (4 * 128 + 8) * 2 + _TB * (128 + 8) * 2 + _TR * (_TB + 1) * 4
+    n_cta = -(-C // _TR) * -(-(npad // _TB) // _GB)
+    smem = _TR * (4 * 128 + 8) * 2 + 2 * _TB * (128 + 8) * 2
     kernel = _launch.build(
         "prefill_score.cu",
         "score",
@@ -62,7 +62,7 @@ def prefill_scores_cuda(index_q: mx.array, pooled: mx.array, pos: mx.array, *, r
     return tuple(
         kernel(
             inputs=[index_q, pooled, pos],
-            template=[("RATIO", ratio), ("L", _L)],
+            template=[("RATIO", ratio), ("L", _L), ("GB", _GB)],
             grid=(n_cta * 128, 1, 1),
             threadgroup=(128, 1, 1),
             output_shapes=[(C, npad), (C, npad // 32 * _L), (C,)],
