@@ -3,6 +3,7 @@
 #   source .device/part-b/activate.sh && bash benchmarks/decode_device.sh tests|trace|bench|prefill
 # tests:   CUDA kernel and layer tests, the bench tests (GPU columns included)
 # ptests:  the prefill kernel tests and the CUDA layer tests only
+# ktests:  the prefill kernel tests and the CUDA layer's prefill tests
 # trace:   `mlx-qsa trace` on the GPU, compared field by field with the M5 Pro fixture
 # bench:   `mlx-qsa bench decode` at the issue's contexts and rows (all peers, one process)
 # prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples)
@@ -64,6 +65,10 @@ PY
         MLX_USE_CUDA_GRAPHS=$g timeout 250 python3 -m mlx_qsa bench decode --contexts 8k,128k \
           --rows 1,8 --no-torch --out "$OUT/decode_quick_graphs$g.json" 2>&1 | tee -a "$OUT/quick.log"
       done ;;
+    ktests)
+      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_prefill.py \
+        tests/test_cuda_layer.py -k "prefill or chunk" 2>&1 | tee "$OUT/ktests.log" | tail -20
+      rc=$((rc | PIPESTATUS[0])) ;;
     parts)
       timeout 400 python3 benchmarks/prefill_parts.py "$OUT/prefill_parts.json" 2>&1 \
         | tee "$OUT/prefill_parts.log"

@@ -9,7 +9,8 @@
 // head (j-major grid) so that one head's K/V working set can stay in L2. Warp w owns tokens
 // 16w..16w+15 of each stage: S = Q K^T with mma.sync m16n8k16 (bf16 in, float32 accumulate),
 // an online softmax in float32 (base 2), then O += P V with P rounded to bf16 and V fragments
-// from ldmatrix.trans. The four warps' (m, l, O) are merged in a fixed order at the end.
+// from ldmatrix.trans (Q and K fragments from ldmatrix too; O is rescaled only when a row's
+// running max moved). The four warps' (m, l, O) are merged in a fixed order at the end.
 // Template: D, G, HKV, K, RATIO, SCALE_BITS. 128 threads; dynamic shared memory:
 // 3 stages x (K, V) x 64 x (D + 8) bf16, q 16 x (D + 8) bf16, token list K * RATIO + RATIO int.
 constexpr int NT = 128, STEP = 64, VS = D + 8, NTILE = D / 8, NSTAGE = 3;
@@ -67,20 +68,26 @@ __syncthreads();
 
 const __nv_bfloat16* kg = keys + (long long)j * keys_strides[1];
 const __nv_bfloat16* vg = values + (long long)j * values_strides[1];
+// A thread always copies the same 16-byte column dc of the tokens t = tid / (D / 8) + i * TPI,
+// so its source columns and shared-memory addresses are set up once, not per copy.
+constexpr int CPT = D / 8, TPI = NT / CPT;  // 16-byte chunks per token, tokens per pass
+static_assert(NT % CPT == 0, "a token's chunks split evenly over the threads");
+const int dc = tid % CPT, t_first = tid / CPT;
+const __nv_bfloat16* kcol = kg + dc * 8;
+const __nv_bfloat16* vcol = vg + dc * 8;
+const unsigned dst0 = (unsigned)__cvta_generic_to_shared(kv_s + t_first * VS + dc * 8);
 auto load_stage = [&](int st, int t0) {
-  __nv_bfloat16* ks = kv_s + st * 2 * STEP * VS;
-  __nv_bfloat16* vs = ks + STEP * VS;
-  for (int c = tid; c < STEP * (D / 8); c += NT) {
-    const int t = c / (D / 8), dc = c % (D / 8);
+  const unsigned dk0 = dst0 + st * 2 * STEP * VS * 2, dv0 = dk0 + STEP * VS * 2;
+#pragma unroll
+  for (int i = 0; i < STEP / TPI; ++i) {
+    const int t = t_first + i * TPI;
     const bool ok = t0 + t < n_tok;
     const long long tok = ok ? tok_s[t0 + t] : 0;
     const unsigned nbytes = ok ? 16u : 0u;  // 0: zero-fill (masked tokens must not be NaN)
-    const unsigned dk = (unsigned)__cvta_generic_to_shared(ks + t * VS + dc * 8);
-    const unsigned dv = (unsigned)__cvta_generic_to_shared(vs + t * VS + dc * 8);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dk),
-                 "l"(kg + tok * keys_strides[2] + dc * 8), "r"(nbytes));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dv),
-                 "l"(vg + tok * values_strides[2] + dc * 8), "r"(nbytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dk0 + i * TPI * VS * 2),
+                 "l"(kcol + tok * keys_strides[2]), "r"(nbytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dv0 + i * TPI * VS * 2),
+                 "l"(vcol + tok * values_strides[2]), "r"(nbytes));
   }
 };
 // one commit group per stage slot, empty past the list, so the wait count is uniform
@@ -102,6 +109,9 @@ for (int st = 0; st < NSTAGE - 1; ++st) {
   if (st < n_steps) load_stage(st, st * STEP);
   commit();
 }
+const unsigned qa_base =
+    (unsigned)__cvta_generic_to_shared(q_s + (lane & 15) * VS + (lane >> 4) * 8);
+const unsigned kb_off = (((lane >> 4) * 8 + (lane & 7)) * VS + ((lane >> 3) & 1) * 8) * 2;
 for (int s = 0; s < n_steps; ++s) {
   if (s + NSTAGE - 1 < n_steps) load_stage((s + NSTAGE - 1) % NSTAGE, (s + NSTAGE - 1) * STEP);
   commit();
@@ -112,24 +122,23 @@ for (int s = 0; s < n_steps; ++s) {
     const __nv_bfloat16* ks = kv_s + (s % NSTAGE) * 2 * STEP * VS + 16 * warp * VS;
     const __nv_bfloat16* vs = ks + STEP * VS;
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const unsigned kb_base = (unsigned)__cvta_generic_to_shared(ks) + kb_off;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const __nv_bfloat16* qa = q_s + ar * VS + kk * 16 + ak;
-      const unsigned a0 = *reinterpret_cast<const unsigned*>(qa);
-      const unsigned a1 = *reinterpret_cast<const unsigned*>(qa + 8 * VS);
-      const unsigned a2 = *reinterpret_cast<const unsigned*>(qa + 8);
-      const unsigned a3 = *reinterpret_cast<const unsigned*>(qa + 8 * VS + 8);
+      unsigned a[4], b[4];  // A: rows lane % 16, k half lane / 16; B: n tiles 0, 1 x k halves
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                   : "r"(qa_base + kk * 32));
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                   : "r"(kb_base + kk * 32));
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const __nv_bfloat16* kb = ks + (nt * 8 + ar) * VS + kk * 16 + ak;
-        const unsigned b0 = *reinterpret_cast<const unsigned*>(kb);
-        const unsigned b1 = *reinterpret_cast<const unsigned*>(kb + 8);
+      for (int nt = 0; nt < 2; ++nt)
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
             : "+f"(sc[nt][0]), "+f"(sc[nt][1]), "+f"(sc[nt][2]), "+f"(sc[nt][3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-      }
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[2 * nt]), "r"(b[2 * nt + 1]));
     }
     // mask tokens past the list, scale into base 2, online softmax per row
     float mx0 = qsa::neg_inf(), mx1 = qsa::neg_inf();
@@ -159,12 +168,14 @@ for (int s = 0; s < n_steps; ++s) {
       for (int e = 0; e < 4; ++e) ps[nt][e] = exp2f(sc[nt][e] - (e < 2 ? n0 : n1));
     l0 = l0 * al0 + ps[0][0] + ps[0][1] + ps[1][0] + ps[1][1];
     l1 = l1 * al1 + ps[0][2] + ps[0][3] + ps[1][2] + ps[1][3];
+    if (__any_sync(qsa::FULL_MASK, al0 != 1.f || al1 != 1.f)) {  // x * 1 is exact: skip it
 #pragma unroll
-    for (int n = 0; n < NTILE; ++n) {
-      o[n][0] *= al0;
-      o[n][1] *= al0;
-      o[n][2] *= al1;
-      o[n][3] *= al1;
+      for (int n = 0; n < NTILE; ++n) {
+        o[n][0] *= al0;
+        o[n][1] *= al0;
+        o[n][2] *= al1;
+        o[n][3] *= al1;
+      }
     }
     // P as the A operand (the C layout of two n8 tiles is the A layout of one k16 step)
     const unsigned pa0 = qsa::pack_bf2(ps[0][0], ps[0][1]);
