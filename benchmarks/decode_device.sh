@@ -99,7 +99,7 @@ PY
           --out "$OUT/decode_128k_rep$i.json" 2>&1 | tee -a "$OUT/decodeab.log" | tail -3
       done ;;
     prefill)
-      timeout 560 python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 \
+      timeout 560 python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 --png "$OUT/prefill_h200.png" \
         --out "$OUT/prefill_h200.json" 2>&1 | tee "$OUT/prefill_run.log"
       rc=$((rc | PIPESTATUS[0])) ;;
   esac
