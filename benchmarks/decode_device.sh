@@ -9,8 +9,9 @@
 # prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples)
 # overhead: host µs per MLX primitive, CUDA graphs on and off (benchmarks/mlx_overhead.py)
 # quick:   a decode subset with CUDA graphs on and off
-# parts:   the prefill kernels one at a time, bytes floor, selection overlap (prefill_parts.py)
-# ncuprefill: Nsight Compute sections of the prefill kernels at 32K and 128K
+# parts:   the prefill kernels one at a time, bytes floor, selection overlap (prefill_parts.py;
+#          PARTS_PREFIXES, default 32k,128k)
+# ncuprefill: Nsight Compute sections of the prefill kernels (NCU_PREFIXES, default 32768 131072)
 # tp1:     bench --tp 1 through mlx.launch --backend nccl (a group of one on this GPU)
 # decodeab: the 128K decode point three times in a row (run-to-run spread), distinct files
 # Everything goes under $OUT.
@@ -70,12 +71,13 @@ PY
         tests/test_cuda_layer.py -k "prefill or chunk" 2>&1 | tee "$OUT/ktests.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     parts)
-      timeout 400 python3 benchmarks/prefill_parts.py "$OUT/prefill_parts.json" 2>&1 \
+      timeout 400 python3 benchmarks/prefill_parts.py "$OUT/prefill_parts.json" \
+        --prefixes "${PARTS_PREFIXES:-32k,128k}" 2>&1 \
         | tee "$OUT/prefill_parts.log"
       rc=$((rc | PIPESTATUS[0])) ;;
     ncuprefill)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-      for pre in 32768 131072; do
+      for pre in ${NCU_PREFIXES:-32768 131072}; do
         MLX_USE_CUDA_GRAPHS=0 timeout 200 "$NCU" --clock-control none --cache-control all \
           -k regex:qsa_ --section SpeedOfLight --section MemoryWorkloadAnalysis \
           --section Occupancy --section WarpStateStats --section LaunchStats \
