@@ -17,6 +17,7 @@ outputs against a float64 reference over the same tokens.
 
 `--tp N` runs the layer sharded over `mx.distributed` (any backend; rank 0 reports): outputs are
 checked against the unsharded layer on every rank, and the `all_sum` of the output is timed alone.
+`--tp 1,2,4` starts each size's ranks itself and reports the scaling (`bench_tp`).
 """
 
 from __future__ import annotations
@@ -807,10 +808,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tp",
-        type=int,
+        type=_int_list,
         default=None,
-        help="tensor-parallel group size (mx.distributed; 1 = the sharded path on a group of one)",
+        help="tensor-parallel group size (inside mx.distributed, one process per rank; 1 = the "
+        "sharded path on a group of one), or several sizes, e.g. 1,2,4,8: then bench starts "
+        "each size's processes itself and reports the scaling",
     )
+    p.add_argument(
+        "--tp-backend",
+        choices=("auto", "ring", "nccl"),
+        default="auto",
+        help="launcher backend of a --tp list (auto: nccl on CUDA, else ring)",
+    )
+    p.add_argument("--tp-timeout", type=int, default=1800, help="seconds per size of a --tp list")
     p.add_argument("--no-torch", action="store_true", help="skip the torch peer")
     p.add_argument("--no-layer", action="store_true", help="skip the whole-layer columns")
     p.add_argument("--portable-only", action="store_true")
@@ -827,7 +837,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("bench: --sets and --repeats must be >= 1, --warmup >= 0")
     backend = backend_name()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    if args.tp is not None:
+    if args.tp is not None and len(args.tp) > 1:
+        from .bench_tp import run_scaling
+
+        tp_backend = args.tp_backend
+        if tp_backend == "auto":
+            tp_backend = "nccl" if backend == "cuda" else "ring"
+        body = run_scaling(args, tp_backend)
+    elif args.tp is not None:
+        args.tp = args.tp[0]
         body = run_tp(args)
     else:
         body = run_decode(args) if args.mode == "decode" else run_prefill(args)
@@ -851,7 +869,9 @@ def run(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.out}")
-    if args.png is not None:
+    if args.png is not None and "scaling" in body:
+        print("bench: no chart for a --tp list yet (the table is in the JSON)")
+    elif args.png is not None:
         from .bench_chart import write_chart
 
         write_chart(doc, args.png)
