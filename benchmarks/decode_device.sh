@@ -11,6 +11,7 @@
 # quick:   a decode subset with CUDA graphs on and off
 # parts:   the prefill kernels one at a time, bytes floor, selection overlap (prefill_parts.py;
 #          PARTS_PREFIXES, default 32k,128k)
+# partsgraphs: the same with CUDA graphs on, then off (default prefix 32k)
 # ncuprefill: Nsight Compute sections of the prefill kernels (NCU_PREFIXES, default 32768 131072)
 # tp1:     bench --tp 1 through mlx.launch --backend nccl (a group of one on this GPU)
 # decodeab: the 128K decode point three times in a row (run-to-run spread), distinct files
@@ -65,6 +66,12 @@ PY
       for g in 1 0; do
         MLX_USE_CUDA_GRAPHS=$g timeout 250 python3 -m mlx_qsa bench decode --contexts 8k,128k \
           --rows 1,8 --no-torch --out "$OUT/decode_quick_graphs$g.json" 2>&1 | tee -a "$OUT/quick.log"
+      done ;;
+    partsgraphs)
+      for g in 1 0; do
+        MLX_USE_CUDA_GRAPHS=$g timeout 200 python3 benchmarks/prefill_parts.py \
+          "$OUT/prefill_parts_graphs$g.json" --prefixes "${PARTS_PREFIXES:-32k}" 2>&1 \
+          | tee "$OUT/prefill_parts_graphs$g.log"
       done ;;
     ktests)
       timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_prefill.py \
