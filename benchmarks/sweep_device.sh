@@ -5,7 +5,8 @@
 # /tmp/sweep-out): gpu.log (tests, sweep progress, comparison), the sweep JSON files and a tar of
 # MLX's PTX cache (carry it as .ptxcache/ptx-cache.tar.gz to skip NVRTC compiles next time; on
 # 2026-12-03 the cache directory stayed empty, so expect NVRTC compiles, about 1.5 s each).
-# SWEEP_SKIP_TESTS=1 skips the tests (when they already passed on this source in an earlier call).
+# SWEEP_SKIP_TESTS=1 skips the tests (when they already passed on this source in an earlier call);
+# SWEEP_SKIP_GRID=1 skips the default-grid sweep (the cp.async families on the fixture's grid).
 set -uo pipefail
 OUT="${OUT:-/tmp/sweep-out}"
 mkdir -p "$OUT"
@@ -31,14 +32,21 @@ py() { python3 "$@"; }
     echo "tests rc=${PIPESTATUS[0]}"
   fi
 
+  if [ -z "${SWEEP_SKIP_GRID:-}" ]; then
   echo "== sweep attn.qkv_proj, default grid"
   timeout 150 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
     --out "$OUT/qkv_tile_sweep_h200.json"
   echo "sweep rc=$?"
+  fi
 
   echo "== sweep attn.qkv_proj, extra tiles"
   timeout 80 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
     --tiles "$EXTRA_TILES" --walk-m 8,16 --out "$OUT/qkv_tile_sweep_h200_extra.json"
+  echo "sweep rc=$?"
+
+  echo "== sweep attn.qkv_proj, family tma (TMA producer warp, persistent grid)"
+  timeout 80 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
+    --tiles "$EXTRA_TILES" --walk-m 0,8,16 --family tma --out "$OUT/qkv_tile_sweep_h200_tma.json"
   echo "sweep rc=$?"
 
   for op in attn.o_proj indexer.qk_proj; do
@@ -47,11 +55,16 @@ py() { python3 "$@"; }
       --tiles "$EXTRA_TILES,128x128x128/8,64x128x256/4,128x64x256/4" --walk-m 8 \
       --out "$OUT/${op//./_}_tile_sweep_h200.json"
     echo "sweep rc=$?"
+    echo "== sweep $op, family tma"
+    timeout 45 python3 -m mlx_qsa sweep --op "$op" --tokens 4181 --warmup 2 --repeats 5 \
+      --tiles "$EXTRA_TILES" --walk-m 8 --family tma --out "$OUT/${op//./_}_tile_sweep_h200_tma.json"
+    echo "sweep rc=$?"
   done
 
   tar -C "$MLX_PTX_CACHE_DIR" -czf "$OUT/ptx-cache.tar.gz" . 2>/dev/null
 
-  for f in "$OUT"/qkv_tile_sweep_h200.json "$OUT"/qkv_tile_sweep_h200_extra.json; do
+  for f in "$OUT"/qkv_tile_sweep_h200.json "$OUT"/qkv_tile_sweep_h200_extra.json \
+    "$OUT"/qkv_tile_sweep_h200_tma.json; do
     [ -f "$f" ] || continue
     echo "== compare $FIXTURE $f"
     py -m mlx_qsa sweep --compare "$FIXTURE" "$f"

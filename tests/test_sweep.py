@@ -219,6 +219,35 @@ def test_plan_errors():
         plan_gemm((32, 64, 128), 2, family="wgmma")
 
 
+def test_tma_plans():
+    plan = plan_gemm((128, 256, 64), 8, 8, family="tma")
+    # 48 KiB stages: four fit beside the tensor maps and barriers; 8 consumer + 1 producer warp.
+    assert (plan.family, plan.stages, plan.layout_m, plan.threads) == ("tma", 4, 2, 288)
+    assert plan.shared_memory == 4 * 48 * 1024 + 1024 + 384 <= MAX_DYNAMIC_SMEM
+    assert "WGMMA" not in dict(plan.template())
+    assert plan_gemm((128, 128, 64), 4, family="tma").stages == 7  # 32 KiB stages
+    assert plan_gemm((128, 128, 64), 4, family="tma", stages=3).stages == 3
+    assert plan_gemm((64, 128, 64), 4, family="tma").stages == 8  # capped
+    # The persistent grid: one block per SM, or one per tile when there are fewer tiles.
+    assert plan.tiles(4181, 13312) == 33 * 52
+    assert plan.blocks(4181, 13312, sms=132) == 132
+    assert plan.blocks(300, 256, sms=132) == 3
+    assert plan_gemm((128, 256, 64), 8).blocks(4181, 13312) == 33 * 52
+    with pytest.raises(ValueError, match="sms"):
+        plan.blocks(4181, 13312)
+
+
+def test_tma_plan_errors():
+    with pytest.raises(NotImplementedError, match="warpgroups"):
+        plan_gemm((64, 64, 64), 2, family="tma")
+    with pytest.raises(NotImplementedError, match="256 rows"):
+        plan_gemm((512, 64, 64), 8, family="tma")
+    with pytest.raises(NotImplementedError, match="stages"):
+        plan_gemm((128, 256, 64), 8, family="tma", stages=5)
+    with pytest.raises(NotImplementedError, match="stages"):
+        plan_gemm((128, 256, 64), 8, family="tma", stages=1)
+
+
 @pytest.mark.parametrize("walk", [0, 1, 3, 8])
 def test_rasterisation_is_a_permutation(walk):
     for tiles_m in range(1, 13):

@@ -447,6 +447,265 @@ __device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bflo
   }
 }
 
+
+// ---- TMA-fed, warp-specialised, persistent wgmma kernel (family "tma", sm_90a) ----
+//
+// WARPS consumer warps (whole warpgroups) run wgmma; one more warp is the producer: its lane 0
+// issues TMA tile loads (cp.async.bulk.tensor) into a STAGES-deep ring guarded by mbarriers
+// (full[s]: bytes landed; empty[s]: every consumer warp finished reading). The grid holds at
+// most one block per SM and each block walks tiles blockIdx.x, +gridDim.x, ... in the
+// rasterisation of SWEEP.md §4, so the producer already loads the next tile while the consumers
+// run the epilogue. The TMA unit reads tensor maps from global memory: the host encodes one
+// template per operand (`tmaps`, 2 x 128 bytes: x then W, at a placeholder address); the
+// producer warp copies each into shared memory, points it at the real operand with
+// tensormap.replace and publishes it to this block's 256-byte slot of `scratch`.
+
+__device__ __forceinline__ void qsa_mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void qsa_fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void qsa_mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void qsa_mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Spins until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void qsa_mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// Box {64 columns, rows} at element coordinates (c0 = column, c1 = row) into shared `dst`;
+// completion counts its bytes on barrier `bar`. Out-of-bounds elements arrive as zeros.
+__device__ __forceinline__ void qsa_tma_load_2d(unsigned dst, const void* tmap, unsigned bar,
+                                                int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+      "l"(tmap), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// One full warp: template (global, 16 x u64) -> shared copy -> global address replaced ->
+// published to `slot` (global, 128-byte aligned) and acquired for this thread's TMA loads.
+__device__ __forceinline__ void qsa_tmap_publish(const unsigned long long* tmpl,
+                                                 unsigned long long* shared_map,
+                                                 unsigned long long* slot, const void* base,
+                                                 int lane) {
+  if (lane < 16) {
+    shared_map[lane] = tmpl[lane];
+  }
+  __syncwarp();
+  if (lane == 0) {
+    asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;\n" ::"r"(
+                     qsa_smem_u32(shared_map)),
+                 "l"(base)
+                 : "memory");
+  }
+  __syncwarp();
+  asm volatile(
+      "tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu.sync.aligned"
+      " [%0], [%1], 128;\n" ::"l"(slot),
+      "r"(qsa_smem_u32(shared_map))
+      : "memory");
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(slot) : "memory");
+}
+
+template <int TM, int TN, int TK, int WARPS, int WALK_M, int STAGES, int LAYOUT_M>
+__device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_bfloat16* w,
+                                             const __nv_bfloat16* b,
+                                             const unsigned long long* tmaps, __nv_bfloat16* y,
+                                             unsigned char* scratch, int M, int N, int K) {
+  constexpr int ATOMS = TK / 64;  // 64-column boxes per operand per stage
+  constexpr int STAGE_A = TM * TK * 2;
+  constexpr int STAGE_BYTES = (TM + TN) * TK * 2;
+  constexpr int WGS = WARPS / 4;
+  constexpr int WG_TM = TM / LAYOUT_M;
+  constexpr int WG_TN = TN / (WGS / LAYOUT_M);
+  constexpr int MI = WG_TM / 64;
+  static_assert(TK % 64 == 0 && WARPS % 4 == 0, "whole swizzle atoms and whole warpgroups");
+  static_assert(TM <= 256 && TN <= 256, "a TMA box spans at most 256 rows");
+
+  extern __shared__ unsigned char qsa_smem[];
+  const unsigned raw = qsa_smem_u32(qsa_smem);
+  const unsigned smem0 = (raw + 1023u) & ~1023u;
+  // After the ring: two 128-byte tensor maps, then full[STAGES] and empty[STAGES].
+  const unsigned maps_u32 = smem0 + static_cast<unsigned>(STAGES * STAGE_BYTES);
+  unsigned long long* maps_s =
+      reinterpret_cast<unsigned long long*>(qsa_smem + (maps_u32 - raw));
+  const unsigned full0 = maps_u32 + 256u;
+  const unsigned empty0 = full0 + 8u * STAGES;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int tiles_m = (M + TM - 1) / TM;
+  const int tiles_n = (N + TN - 1) / TN;
+  const int tiles = tiles_m * tiles_n;
+  const int KT = (K + TK - 1) / TK;
+
+  auto coords = [&](int t, int& m0, int& n0) {
+    int tile_m, tile_n;
+    if constexpr (WALK_M == 0) {
+      tile_m = t / tiles_n;
+      tile_n = t % tiles_n;
+    } else {
+      const int span = WALK_M * tiles_n;
+      const int first = (t / span) * WALK_M;
+      const int g = min(tiles_m - first, WALK_M);
+      const int r = t % span;
+      tile_m = first + r % g;
+      tile_n = r / g;
+    }
+    m0 = tile_m * TM;
+    n0 = tile_n * TN;
+  };
+
+  unsigned long long* slot = reinterpret_cast<unsigned long long*>(
+      ((reinterpret_cast<unsigned long long>(scratch) + 127ull) & ~127ull) +
+      256ull * blockIdx.x);
+  if (warp == WARPS) {
+    qsa_tmap_publish(tmaps, maps_s, slot, x, lane);
+    qsa_tmap_publish(tmaps + 16, maps_s + 16, slot + 16, w, lane);
+    if (lane == 0) {
+      for (int s = 0; s < STAGES; ++s) {
+        qsa_mbar_init(full0 + 8u * s, 1);
+        qsa_mbar_init(empty0 + 8u * s, WARPS);
+      }
+      qsa_fence_mbar_init();
+    }
+  }
+  __syncthreads();
+
+  if (warp == WARPS) {
+    if (lane == 0) {
+      const void* map_x = slot;
+      const void* map_w = slot + 16;
+      int s = 0;
+      unsigned phase = 0;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        int m0, n0;
+        coords(t, m0, n0);
+        for (int kt = 0; kt < KT; ++kt) {
+          // A fresh barrier counts as having completed the phase before its first.
+          qsa_mbar_wait(empty0 + 8u * s, phase ^ 1u);
+          const unsigned full = full0 + 8u * s;
+          qsa_mbar_expect_tx(full, STAGE_BYTES);
+          const unsigned base = smem0 + static_cast<unsigned>(s * STAGE_BYTES);
+#pragma unroll
+          for (int a = 0; a < ATOMS; ++a) {
+            qsa_tma_load_2d(base + static_cast<unsigned>(a * TM * 128), map_x, full,
+                            kt * TK + a * 64, m0);
+            qsa_tma_load_2d(base + static_cast<unsigned>(STAGE_A + a * TN * 128), map_w, full,
+                            kt * TK + a * 64, n0);
+          }
+          if (++s == STAGES) {
+            s = 0;
+            phase ^= 1u;
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers: warpgroup g owns rows [wg_m·WG_TM, +WG_TM) and columns [wg_n·WG_TN, +WG_TN).
+  const int wg = warp >> 2;
+  const int wg_m = wg % LAYOUT_M;
+  const int wg_n = wg / LAYOUT_M;
+  const int wq = warp & 3;
+  int s = 0;
+  unsigned phase = 0;
+  float acc[MI][WG_TN / 2];
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    int m0, n0;
+    coords(t, m0, n0);
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+      for (int j = 0; j < WG_TN / 2; ++j) {
+        acc[i][j] = 0.0f;
+      }
+    }
+    int prev = -1;
+    for (int kt = 0; kt < KT; ++kt) {
+      qsa_mbar_wait(full0 + 8u * s, phase);
+      const unsigned a_base = smem0 + static_cast<unsigned>(s * STAGE_BYTES);
+      const unsigned b_base = a_base + STAGE_A;
+      qsa_wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < TK / 16; ++ks) {
+        const unsigned atom = static_cast<unsigned>(ks >> 2);
+        const unsigned kin = static_cast<unsigned>((ks & 3) * 32);
+        const unsigned long long db = qsa_desc_sw128(
+            b_base + atom * (TN * 128) + static_cast<unsigned>(wg_n * WG_TN * 128) + kin);
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+          const unsigned long long da =
+              qsa_desc_sw128(a_base + atom * (TM * 128) +
+                             static_cast<unsigned>((wg_m * WG_TM + i * 64) * 128) + kin);
+          qsa_wgmma<WG_TN>(acc[i], da, db);
+        }
+      }
+      qsa_wgmma_commit();
+      // The group of the previous k-slice has finished reading its stage: hand it back.
+      qsa_wgmma_wait<1>();
+      if (prev >= 0 && lane == 0) {
+        qsa_mbar_arrive(empty0 + 8u * prev);
+      }
+      prev = s;
+      if (++s == STAGES) {
+        s = 0;
+        phase ^= 1u;
+      }
+    }
+    qsa_wgmma_wait<0>();
+    if (prev >= 0 && lane == 0) {
+      qsa_mbar_arrive(empty0 + 8u * prev);
+    }
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+      for (int j = 0; j < WG_TN / 2; ++j) {
+        qsa_reg_fence(acc[i][j]);
+      }
+    }
+    // Accumulator layout of m64nN as in qsa_gemm.
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+      const int row = m0 + wg_m * WG_TM + i * 64 + wq * 16 + (lane >> 2);
+#pragma unroll
+      for (int j = 0; j < WG_TN / 8; ++j) {
+        const int col = n0 + wg_n * WG_TN + j * 8 + 2 * (lane & 3);
+        qsa_store_pair(y, b, M, N, row, col, acc[i][4 * j], acc[i][4 * j + 1]);
+        qsa_store_pair(y, b, M, N, row + 8, col, acc[i][4 * j + 2], acc[i][4 * j + 3]);
+      }
+    }
+  }
+}
+
 //// BODY ////
   qsa_gemm<TM, TN, TK, WARPS, WALK_M, STAGES, WGMMA, LAYOUT_M>(x, w, b, y, x_shape[0], w_shape[0],
                                                               x_shape[1]);
+//// BODY tma ////
+  qsa_gemm_tma<TM, TN, TK, WARPS, WALK_M, STAGES, LAYOUT_M>(
+      x, w, b, reinterpret_cast<const unsigned long long*>(tmaps), y,
+      reinterpret_cast<unsigned char*>(scratch), x_shape[0], w_shape[0], x_shape[1]);

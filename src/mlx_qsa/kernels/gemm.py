@@ -5,6 +5,8 @@ epilogue is `y = bf16(acc + float(b))`, the order of cuBLASLt's bias epilogue. A
 block tile `[TM, TN, TK]`, warps per block and `walk_m` (grouped rasterisation, SWEEP.md §4).
 Tiles whose warps form whole warpgroups run on `wgmma` (sm_90a); the others run on warp-level
 `mma.sync` m16n8k16. Both read a cp.async ring of 128-byte-swizzled shared-memory stages.
+Family `tma` is the Hopper design: a persistent grid (one block per SM), one producer warp
+feeding TMA tile loads through mbarriers to `warps` consumer warps on wgmma (gemm.cu).
 
 `plan_gemm` and `tile_coords` are pure; MLX is imported only where arrays are made, so that
 `mlx_qsa.sweep` can set MLX's precision variables before MLX loads.
@@ -23,13 +25,17 @@ if TYPE_CHECKING:
 
 SOURCE_PATH = Path(__file__).with_name("gemm.cu")
 BODY_MARKER = "//// BODY ////"
+TMA_BODY_MARKER = "//// BODY tma ////"
 
 MAX_DYNAMIC_SMEM = 232_448  # bytes per block on sm_90 (227 KiB)
 SMEM_ALIGN_PAD = 1024  # the swizzled stages start on a 1024-byte boundary
 MAX_STAGES = 4
+MAX_STAGES_TMA = 8
+TMA_SMEM_EXTRA = 2 * 128 + 2 * 8 * MAX_STAGES_TMA  # two tensor maps, full/empty barriers
+TMA_MAX_BOX_ROWS = 256
 MAX_ACC_REGS = 128  # fp32 accumulators per thread
 WGMMA_N = (64, 128, 256)  # warpgroup N extents with a wrapper in gemm.cu
-FAMILIES = ("auto", "wgmma", "mma")
+FAMILIES = ("auto", "wgmma", "mma", "tma")
 
 
 @dataclass(frozen=True)
@@ -42,10 +48,12 @@ class GemmPlan:
     stages: int
     wgmma: bool
     layout_m: int  # warpgroups (wgmma) or warps (mma) stacked along M
+    tma: bool = False  # persistent, warp-specialised, TMA-fed (implies wgmma)
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        # The TMA family adds its producer warp to the `warps` consumer warps.
+        return 32 * (self.warps + int(self.tma))
 
     @property
     def stage_bytes(self) -> int:
@@ -54,11 +62,12 @@ class GemmPlan:
 
     @property
     def shared_memory(self) -> int:
-        return self.stages * self.stage_bytes + SMEM_ALIGN_PAD
+        extra = TMA_SMEM_EXTRA if self.tma else 0
+        return self.stages * self.stage_bytes + SMEM_ALIGN_PAD + extra
 
     @property
     def family(self) -> str:
-        return "wgmma" if self.wgmma else "mma"
+        return "tma" if self.tma else "wgmma" if self.wgmma else "mma"
 
     @property
     def label(self) -> str:
@@ -68,20 +77,26 @@ class GemmPlan:
 
     def template(self) -> list[tuple[str, int]]:
         tm, tn, tk = self.tile
-        return [
-            ("TM", tm),
-            ("TN", tn),
-            ("TK", tk),
-            ("WARPS", self.warps),
-            ("WALK_M", self.walk_m),
-            ("STAGES", self.stages),
-            ("WGMMA", int(self.wgmma)),
-            ("LAYOUT_M", self.layout_m),
-        ]
+        names = [("TM", tm), ("TN", tn), ("TK", tk), ("WARPS", self.warps)]
+        names += [("WALK_M", self.walk_m), ("STAGES", self.stages)]
+        if not self.tma:
+            names.append(("WGMMA", int(self.wgmma)))
+        return names + [("LAYOUT_M", self.layout_m)]
 
-    def blocks(self, m: int, n: int) -> int:
+    def tiles(self, m: int, n: int) -> int:
         tm, tn, _ = self.tile
         return -(-m // tm) * -(-n // tn)
+
+    def blocks(self, m: int, n: int, sms: int = 0) -> int:
+        """Thread blocks launched: one per tile, or (TMA family) at most one per SM."""
+        tiles = self.tiles(m, n)
+        if self.tma:
+            if sms < 1:
+                raise ValueError(
+                    f"GemmPlan.blocks(sms): the TMA family needs the SM count, got {sms}"
+                )
+            return min(tiles, sms)
+        return tiles
 
 
 def _divisors(n: int) -> list[int]:
@@ -147,6 +162,8 @@ def plan_gemm(
         raise ValueError(f"plan_gemm(family): expected one of {FAMILIES}, got {family!r}")
     if tk % 64:
         raise ValueError(f"plan_gemm(tile): TK must be a multiple of 64 (swizzle atom), got {tk}")
+    if family == "tma":
+        return _plan_tma(tm, tn, tk, warps, walk_m, stages)
     threads = 32 * warps
     # gemm.cu's loader: each thread keeps one 16-byte column chunk, rows threads/chunks apart.
     chunks = tk // 8
@@ -183,6 +200,38 @@ def plan_gemm(
     )
 
 
+def _plan_tma(tm: int, tn: int, tk: int, warps: int, walk_m: int, stages: int | None) -> GemmPlan:
+    layout = _wgmma_layout(tm, tn, warps)
+    if layout is None:
+        raise NotImplementedError(
+            f"tile {[tm, tn, tk]} / {warps} warps: the tma family needs whole consumer "
+            f"warpgroups with a wgmma layout within {MAX_ACC_REGS} accumulators per thread"
+        )
+    if max(tm, tn) > TMA_MAX_BOX_ROWS:
+        raise NotImplementedError(
+            f"tile {[tm, tn, tk]}: a TMA box spans at most {TMA_MAX_BOX_ROWS} rows"
+        )
+    stage_bytes = (tm + tn) * tk * 2
+    fit = min(MAX_STAGES_TMA, (MAX_DYNAMIC_SMEM - SMEM_ALIGN_PAD - TMA_SMEM_EXTRA) // stage_bytes)
+    if stages is None:
+        stages = fit
+    # One stage in flight on the tensor cores and one loading: fewer than two cannot overlap.
+    if stages < 2 or stages > fit:
+        raise NotImplementedError(
+            f"tile {[tm, tn, tk]}: the tma family needs 2..{max(fit, 2)} stages of {stage_bytes} "
+            f"bytes within {MAX_DYNAMIC_SMEM} bytes of shared memory, got {stages}"
+        )
+    return GemmPlan(
+        tile=(tm, tn, tk),
+        warps=warps,
+        walk_m=walk_m,
+        stages=stages,
+        wgmma=True,
+        layout_m=layout,
+        tma=True,
+    )
+
+
 def tile_coords(pid: int, tiles_m: int, tiles_n: int, walk_m: int) -> tuple[int, int]:
     """Block `pid` -> (tile_m, tile_n), the rasterisation of SWEEP.md §4 (same as gemm.cu)."""
     if walk_m == 0:
@@ -195,31 +244,44 @@ def tile_coords(pid: int, tiles_m: int, tiles_n: int, walk_m: int) -> tuple[int,
 
 
 @functools.cache
-def _source() -> tuple[str, str, str]:
-    """(header, body, digest) of gemm.cu, read once."""
+def _source() -> tuple[str, str, str, str]:
+    """(header, cp.async body, tma body, digest) of gemm.cu, read once."""
     text = SOURCE_PATH.read_text()
-    header, sep, body = text.partition(BODY_MARKER + "\n")
-    if not sep:
-        raise RuntimeError(f"{SOURCE_PATH}: missing the line {BODY_MARKER!r}")
-    return header, body, hashlib.sha1(text.encode()).hexdigest()[:10]
+    header, sep, bodies = text.partition(BODY_MARKER + "\n")
+    body, sep2, body_tma = bodies.partition(TMA_BODY_MARKER + "\n")
+    if not sep or not sep2:
+        raise RuntimeError(f"{SOURCE_PATH}: missing {BODY_MARKER!r} or {TMA_BODY_MARKER!r}")
+    return header, body, body_tma, hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
 @functools.cache
 def _kernel(plan: GemmPlan):
     import mlx.core as mx
 
-    header, body, digest = _source()
+    header, body, body_tma, digest = _source()
     # MLX caches compiled modules by name (in memory and in MLX_PTX_CACHE_DIR), so the name
     # carries the whole key and the source digest.
     return mx.fast.cuda_kernel(
         name=f"qsa_gemm_{plan.label}_{digest}",
-        input_names=["x", "w", "b"],
-        output_names=["y"],
-        source=body,
+        input_names=["x", "w", "b", "tmaps"] if plan.tma else ["x", "w", "b"],
+        output_names=["y", "scratch"] if plan.tma else ["y"],
+        source=body_tma if plan.tma else body,
         header=header,
         ensure_row_contiguous=True,
         shared_memory=plan.shared_memory,
     )
+
+
+@functools.cache
+def _tensor_maps(m: int, n: int, k: int, box_m: int, box_n: int):
+    """x's and W's tensor-map templates as one uint64 array [32] (gemm.cu reads x's first)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_qsa.kernels import tensormap
+
+    raw = tensormap.encode_bf16_rows(m, k, box_m) + tensormap.encode_bf16_rows(n, k, box_n)
+    return mx.array(np.frombuffer(raw, dtype=np.uint64).copy())
 
 
 def _check_inputs(x: mx.array, w: mx.array, b: mx.array) -> None:
@@ -270,6 +332,23 @@ def gemm_bias(
     plan = plan_gemm(tile, warps, walk_m, stages=stages, family=family)
     m, n = x.shape[0], w.shape[0]
     threads = plan.threads
+    if plan.tma:
+        from mlx_qsa.kernels import tensormap
+
+        blocks = plan.blocks(m, n, tensormap.sm_count())
+        tm, tn, _ = plan.tile
+        y, _ = _kernel(plan)(
+            inputs=[x, w, b, _tensor_maps(m, n, x.shape[1], tm, tn)],
+            # Each block publishes its two tensor maps into its 256 bytes of `scratch`
+            # (+128 bytes so the kernel can align the slots).
+            output_shapes=[(m, n), (256 * blocks + 128,)],
+            output_dtypes=[mx.bfloat16, mx.uint8],
+            grid=(blocks * threads, 1, 1),
+            threadgroup=(threads, 1, 1),
+            template=plan.template(),
+            init_value=init_value,
+        )
+        return y
     total = plan.blocks(m, n) * threads
     if total > 2**31 - 1:
         raise ValueError(f"gemm_bias: {plan.blocks(m, n)} blocks exceed the launch limit")
