@@ -7,6 +7,8 @@
 # 2026-12-03 the cache directory stayed empty, so expect NVRTC compiles, about 1.5 s each).
 # SWEEP_SKIP_TESTS=1 skips the tests (when they already passed on this source in an earlier call);
 # SWEEP_SKIP_GRID=1 skips the default-grid sweep (the cp.async families on the fixture's grid).
+# SWEEP_STEADY (default 20x7) is the --steady argument of the larger-tile sweeps: per-call
+# throughput of back-to-back calls beside the schema's one-call samples.
 set -uo pipefail
 OUT="${OUT:-/tmp/sweep-out}"
 mkdir -p "$OUT"
@@ -18,6 +20,7 @@ if [ -f .ptxcache/ptx-cache.tar.gz ]; then tar -C "$MLX_PTX_CACHE_DIR" -xzf .ptx
 LOG="$OUT/gpu.log"
 FIXTURE=tests/data/qkv_tile_sweep_m5pro.json
 EXTRA_TILES="128x256x64/8,256x128x64/8,128x128x64/8,128x256x128/8,128x128x64/4,64x256x64/4"
+STEADY="${SWEEP_STEADY:-20x7}"
 py() { python3 "$@"; }
 
 {
@@ -41,23 +44,23 @@ py() { python3 "$@"; }
 
   echo "== sweep attn.qkv_proj, extra tiles"
   timeout 80 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
-    --tiles "$EXTRA_TILES" --walk-m 8,16 --out "$OUT/qkv_tile_sweep_h200_extra.json"
+    --tiles "$EXTRA_TILES" --walk-m 8,16 --steady "$STEADY" --out "$OUT/qkv_tile_sweep_h200_extra.json"
   echo "sweep rc=$?"
 
   echo "== sweep attn.qkv_proj, family tma (TMA producer warp, persistent grid)"
   timeout 80 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
-    --tiles "$EXTRA_TILES" --walk-m 0,8,16 --family tma --out "$OUT/qkv_tile_sweep_h200_tma.json"
+    --tiles "$EXTRA_TILES" --walk-m 0,8,16 --family tma --steady "$STEADY" --out "$OUT/qkv_tile_sweep_h200_tma.json"
   echo "sweep rc=$?"
 
   for op in attn.o_proj indexer.qk_proj; do
     echo "== sweep $op"
     timeout 45 python3 -m mlx_qsa sweep --op "$op" --tokens 4181 --warmup 2 --repeats 5 \
-      --tiles "$EXTRA_TILES,128x128x128/8,64x128x256/4,128x64x256/4" --walk-m 8 \
+      --tiles "$EXTRA_TILES,128x128x128/8,64x128x256/4,128x64x256/4" --walk-m 8 --steady "$STEADY" \
       --out "$OUT/${op//./_}_tile_sweep_h200.json"
     echo "sweep rc=$?"
     echo "== sweep $op, family tma"
     timeout 45 python3 -m mlx_qsa sweep --op "$op" --tokens 4181 --warmup 2 --repeats 5 \
-      --tiles "$EXTRA_TILES" --walk-m 8 --family tma --out "$OUT/${op//./_}_tile_sweep_h200_tma.json"
+      --tiles "$EXTRA_TILES" --walk-m 8 --family tma --steady "$STEADY" --out "$OUT/${op//./_}_tile_sweep_h200_tma.json"
     echo "sweep rc=$?"
   done
 

@@ -143,6 +143,19 @@ def test_extra_block_comes_after_the_schema_keys(tmp_path):
     doc = json.loads(out.read_text())
     assert list(doc)[:5] == ["environment", "warmup", "repeats", "scope", "trials"]
     assert set(doc) - {"environment", "warmup", "repeats", "scope", "trials"} <= {"extra"}
+    assert "steady" not in doc.get("extra", {})  # off unless asked for
+
+
+def test_steady_block(tmp_path):
+    out = tmp_path / "steady.json"
+    argv = ["sweep", "--shape", "64,32", "--tokens", "3", "--repeats", "1", "--steady", "3x2"]
+    assert main([*argv, "--out", str(out)]) == 0
+    steady = json.loads(out.read_text())["extra"]["steady"]
+    assert "3 back-to-back calls" in steady["method"] and "2 rounds" in steady["method"]
+    (base,) = [e for e in steady["entries"] if e["config"] == "baseline"]
+    assert len(base["samples_ms"]) == 2 and all(s > 0 for s in base["samples_ms"])
+    assert base["vs_baseline"] == 1.0
+    assert base["median_ms"] == float(np.median(base["samples_ms"]))
 
 
 # ---- metrics --------------------------------------------------------------------------------
@@ -313,6 +326,8 @@ def test_summary_ratios(fixture):
         (["--op", "attn.o_proj", "--shape", "64,64"], "not allowed with"),
         (["--tiles", "128x128/4"], "--tiles: expected"),
         (["--tokens", "0"], ">= 1"),
+        (["--steady", "4x0"], "ROUNDS >= 1"),
+        (["--steady", "ax2"], "--steady: expected CALLS"),
     ],
     ids=[
         "bad-op",
@@ -322,6 +337,8 @@ def test_summary_ratios(fixture):
         "op-and-shape",
         "bad-tiles",
         "zero-tokens",
+        "steady-zero-rounds",
+        "steady-not-int",
     ],
 )
 def test_cli_errors(argv, message, capsys):
@@ -338,3 +355,6 @@ def test_parse_tiles():
     ]
     assert sweep.parse_shape("2560,13312") == (2560, 13312)
     assert sweep.parse_walks("0,8,16") == [0, 8, 16]
+    assert sweep.parse_steady("20") == (20, 5)
+    assert sweep.parse_steady("20x3") == (20, 3)
+    assert sweep.parse_steady("0") == (0, 5)

@@ -373,6 +373,28 @@ def time_calls(fn, warmup: int, repeats: int):
     return y, samples
 
 
+def time_steady(calls: dict[str, Any], per_round: int, rounds: int) -> dict[str, list[float]]:
+    """Per-call device throughput: `per_round` back-to-back calls evaluated together, divided.
+
+    Host overhead overlaps the GPU's work once calls queue up, so this measures the kernels
+    rather than one call's launch and synchronisation; the entries run round-robin, so a clock
+    or thermal drift spreads over all of them instead of favouring one.
+    """
+    import mlx.core as mx
+
+    out: dict[str, list[float]] = {name: [] for name in calls}
+    for fn in calls.values():  # warm: one round each, untimed
+        mx.eval([fn() for _ in range(per_round)])
+    mx.synchronize()
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            mx.eval([fn() for _ in range(per_round)])
+            mx.synchronize()
+            out[name].append((time.perf_counter() - t0) * 1e3 / per_round)
+    return out
+
+
 def _to_numpy(a):
     import mlx.core as mx
     import numpy as np
@@ -380,7 +402,17 @@ def _to_numpy(a):
     return np.array(a.astype(mx.float32))
 
 
-def torch_peer(x, w, b, warmup: int, repeats: int, reference, operator: str, tokens: int):
+def torch_peer(
+    x,
+    w,
+    b,
+    warmup: int,
+    repeats: int,
+    reference,
+    operator: str,
+    tokens: int,
+    steady: tuple[int, int] = (0, 0),
+):
     """torch `F.linear(x, W, b)` on the same bf16 inputs, or None when torch is missing."""
     try:
         import torch
@@ -418,6 +450,18 @@ def torch_peer(x, w, b, warmup: int, repeats: int, reference, operator: str, tok
             stop.record()
             torch.cuda.synchronize()
             events.append(float(start.elapsed_time(stop)))
+    per_round, rounds = steady
+    steady_ms = []
+    if dev == "cuda" and per_round:
+        for _ in range(rounds):
+            start = torch.cuda.Event(enable_timing=True)
+            stop = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per_round):
+                out = F.linear(tx, tw, tb)
+            stop.record()
+            torch.cuda.synchronize()
+            steady_ms.append(float(start.elapsed_time(stop)) / per_round)
     max_abs, rmse, equal = agreement(reference, out.float().cpu().numpy())
     peer: dict[str, Any] = {
         "peer": "torch.nn.functional.linear",
@@ -434,6 +478,9 @@ def torch_peer(x, w, b, warmup: int, repeats: int, reference, operator: str, tok
     if events:
         peer["event_median_ms"] = statistics.median(events)
         peer["event_samples_ms"] = events
+    if steady_ms:
+        peer["steady_median_ms"] = statistics.median(steady_ms)
+        peer["steady_samples_ms"] = steady_ms
     return peer
 
 
@@ -451,9 +498,14 @@ def run_sweep(
     family: str = "auto",
     seed: int = 0,
     extra: bool = True,
+    steady: tuple[int, int] = (0, 0),
     log=None,
 ) -> dict:
-    """Run the baseline and (on CUDA) every custom configuration; return the document."""
+    """Run the baseline and (on CUDA) every custom configuration; return the document.
+
+    `steady = (calls, rounds)` with calls > 0 adds `extra.steady`: each entry's per-call
+    throughput (`time_steady`) beside the schema's one-call samples.
+    """
     import mlx.core as mx
 
     from mlx_qsa.kernels import gemm
@@ -479,6 +531,7 @@ def run_sweep(
         }
     ]
     print(f"baseline mx.addmm: median {trials[0]['median_ms']:.4f} ms", file=log)
+    steady_calls: dict[str, Any] = {"baseline": lambda: gemm.gemm_bias_reference(x, w, b)}
 
     plans, left_out = [], []
     custom_ran = backend == "cuda"
@@ -522,6 +575,7 @@ def run_sweep(
                 "equal_fraction": equal,
             }
             trials.append(trial)
+            steady_calls[label] = call
             plans.append(
                 {
                     "tile": list(tile),
@@ -541,11 +595,30 @@ def run_sweep(
             )
             mx.clear_cache()
 
+    steady_doc = None
+    if extra and steady[0] > 0:
+        per_round, rounds = steady
+        measured = time_steady(steady_calls, per_round, rounds)
+        base = statistics.median(measured["baseline"])
+        steady_doc = {
+            "method": f"{per_round} back-to-back calls in one mx.eval + synchronize, divided; "
+            f"{rounds} rounds, entries round-robin",
+            "entries": [],
+        }
+        for name, samples in measured.items():
+            med = statistics.median(samples)
+            steady_doc["entries"].append(
+                {"config": name, "median_ms": med, "vs_baseline": med / base, "samples_ms": samples}
+            )
+            print(f"steady {name:<20} {med:.4f} ms ({med / base:.4f}x baseline)", file=log)
+
     peer = None
     if extra:
-        peer = torch_peer(x, w, b, warmup, repeats, reference, operator, tokens)
+        peer = torch_peer(x, w, b, warmup, repeats, reference, operator, tokens, steady)
         if peer is not None:
             print(f"torch F.linear: median {peer['median_ms']:.4f} ms", file=log)
+            if "steady_median_ms" in peer:
+                print(f"steady torch F.linear {peer['steady_median_ms']:.4f} ms", file=log)
 
     doc: dict[str, Any] = {
         "environment": environment(backend),
@@ -559,6 +632,8 @@ def run_sweep(
         extras["peers"] = [peer]
     if plans:
         extras["plans"] = plans
+    if steady_doc is not None:
+        extras["steady"] = steady_doc
     if left_out:
         extras["left_out"] = left_out
     if extra and extras:
@@ -622,6 +697,18 @@ def _positive(text: str) -> int:
     return v
 
 
+def parse_steady(text: str) -> tuple[int, int]:
+    """`--steady`: 'CALLS' or 'CALLSxROUNDS' (rounds default 5); '0' turns it off."""
+    calls, _, rounds = text.partition("x")
+    try:
+        c, r = int(calls), int(rounds or 5)
+    except ValueError:
+        raise ValueError(f"--steady: expected CALLS or CALLSxROUNDS, got {text!r}") from None
+    if c < 0 or r < 1:
+        raise ValueError(f"--steady: expected CALLS >= 0 and ROUNDS >= 1, got {text!r}")
+    return c, r
+
+
 def _non_negative(text: str) -> int:
     v = int(text)
     if v < 0:
@@ -663,6 +750,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE", help="write the JSON here (default: stdout)")
     parser.add_argument("--no-extra", action="store_true", help="write the schema's keys only")
     parser.add_argument(
+        "--steady",
+        type=_arg(parse_steady),
+        default="0",
+        metavar="CALLS[xROUNDS]",
+        help="also time CALLS back-to-back calls per round (default 5 rounds) for every entry, "
+        "into extra.steady (default 0: off)",
+    )
+    parser.add_argument(
         "--compare",
         nargs=2,
         metavar=("A.json", "B.json"),
@@ -701,6 +796,7 @@ def run(args: argparse.Namespace) -> int:
         family=args.family,
         seed=args.seed,
         extra=not args.no_extra,
+        steady=args.steady if isinstance(args.steady, tuple) else parse_steady(args.steady),
     )
     text = serialize(doc)
     if args.out:
