@@ -202,15 +202,57 @@ __device__ __forceinline__ void qsa_mma_16816(float (&c)[4], const unsigned (&a)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Epilogue for one accumulator pair: y[row, col:col+2] = bf16(acc + b[col:col+2]).
-__device__ __forceinline__ void qsa_store_pair(__nv_bfloat16* y, const __nv_bfloat16* b, int M,
+// Epilogue for one accumulator pair: y[row, col:col+2] = bf16(acc + bias).
+__device__ __forceinline__ void qsa_store_pair(__nv_bfloat16* y, __nv_bfloat162 bias, int M,
                                                int N, int row, int col, float v0, float v1) {
   if (row < M && col < N) {
-    __nv_bfloat162 bias = *reinterpret_cast<const __nv_bfloat162*>(b + col);
     __nv_bfloat162 out;
     out.x = __float2bfloat16_rn(v0 + __bfloat162float(bias.x));
     out.y = __float2bfloat16_rn(v1 + __bfloat162float(bias.y));
     *reinterpret_cast<__nv_bfloat162*>(y + static_cast<long long>(row) * N + col) = out;
+  }
+}
+
+// The bias pairs of a thread's accumulator columns col0 + 8j + 2(lane%4), j < J, all loaded up
+// front: as far as the compiler knows y may alias b, so a bias load placed after a store to y
+// waits for that store, and interleaving them serialises the epilogue on load latency.
+template <int J>
+__device__ __forceinline__ void qsa_load_bias(__nv_bfloat162 (&bias)[J], const __nv_bfloat16* b,
+                                              int N, int col0, int lane) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int col = col0 + j * 8 + 2 * (lane & 3);
+    bias[j] = col < N ? *reinterpret_cast<const __nv_bfloat162*>(b + col)
+                      : __floats2bfloat162_rn(0.0f, 0.0f);
+  }
+}
+
+// Epilogue of one warp's share of m64nN accumulators (MI of them, stacked 64 rows apart): warp
+// q of the warpgroup holds rows row0 = 16q + lane/4 (+8); registers 4j..4j+3 hold columns
+// col0 + 8j + 2(lane%4) (+1).
+template <int MI, int NN>
+__device__ __forceinline__ void qsa_store_wgmma_acc(__nv_bfloat16* y, int M, int N, int row0,
+                                                    int col0, int lane, float (&acc)[MI][NN / 2],
+                                                    const __nv_bfloat162 (&bias)[NN / 8]) {
+#pragma unroll
+  for (int i = 0; i < MI; ++i) {
+    const int row = row0 + i * 64;
+#pragma unroll
+    for (int j = 0; j < NN / 8; ++j) {
+      const int col = col0 + j * 8 + 2 * (lane & 3);
+      if (col < N) {
+        const float b0 = __bfloat162float(bias[j].x);
+        const float b1 = __bfloat162float(bias[j].y);
+        if (row < M) {
+          *reinterpret_cast<__nv_bfloat162*>(y + static_cast<long long>(row) * N + col) =
+              __floats2bfloat162_rn(acc[i][4 * j] + b0, acc[i][4 * j + 1] + b1);
+        }
+        if (row + 8 < M) {
+          *reinterpret_cast<__nv_bfloat162*>(y + static_cast<long long>(row + 8) * N + col) =
+              __floats2bfloat162_rn(acc[i][4 * j + 2] + b0, acc[i][4 * j + 3] + b1);
+        }
+      }
+    }
   }
 }
 
@@ -338,19 +380,11 @@ __device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bflo
       }
     }
 
-    // Accumulator layout of m64nN: warp q of the warpgroup holds rows 16q + lane/4 (+8);
-    // registers 4j..4j+3 hold columns 8j + 2(lane%4) (+1).
-    const int wq = warp & 3;
-#pragma unroll
-    for (int i = 0; i < MI; ++i) {
-      const int row = m0 + wg_m * WG_TM + i * 64 + wq * 16 + (lane >> 2);
-#pragma unroll
-      for (int j = 0; j < WG_TN / 8; ++j) {
-        const int col = n0 + wg_n * WG_TN + j * 8 + 2 * (lane & 3);
-        qsa_store_pair(y, b, M, N, row, col, acc[i][4 * j], acc[i][4 * j + 1]);
-        qsa_store_pair(y, b, M, N, row + 8, col, acc[i][4 * j + 2], acc[i][4 * j + 3]);
-      }
-    }
+    const int col0 = n0 + wg_n * WG_TN;
+    __nv_bfloat162 bias[WG_TN / 8];
+    qsa_load_bias(bias, b, N, col0, lane);
+    qsa_store_wgmma_acc<MI, WG_TN>(y, M, N, m0 + wg_m * WG_TM + (warp & 3) * 16 + (lane >> 2),
+                                   col0, lane, acc, bias);
   } else {
     // Warp (wm, wn) owns a [WTM, WTN] sub-tile: MI x NI tiles of m16n8.
     constexpr int WN_ = WARPS / LAYOUT_M;
@@ -434,14 +468,17 @@ __device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bflo
     }
 
     // m16n8 accumulator layout: c0, c1 at row lane/4, columns 2(lane%4) (+1); c2, c3 at row +8.
+    // Bias first (see qsa_load_bias), then the stores.
+    __nv_bfloat162 bias[NI];
+    qsa_load_bias(bias, b, N, n0 + wn * WTN, lane);
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
       const int row = m0 + wm * WTM + i * 16 + (lane >> 2);
 #pragma unroll
       for (int j = 0; j < NI; ++j) {
         const int col = n0 + wn * WTN + j * 8 + 2 * (lane & 3);
-        qsa_store_pair(y, b, M, N, row, col, acc[i][j][0], acc[i][j][1]);
-        qsa_store_pair(y, b, M, N, row + 8, col, acc[i][j][2], acc[i][j][3]);
+        qsa_store_pair(y, bias[j], M, N, row, col, acc[i][j][0], acc[i][j][1]);
+        qsa_store_pair(y, bias[j], M, N, row + 8, col, acc[i][j][2], acc[i][j][3]);
       }
     }
   }
@@ -638,6 +675,10 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     int m0, n0;
     coords(t, m0, n0);
+    // The tile's bias pairs load under the main loop.
+    const int col0 = n0 + wg_n * WG_TN;
+    __nv_bfloat162 bias[WG_TN / 8];
+    qsa_load_bias(bias, b, N, col0, lane);
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
 #pragma unroll
@@ -688,17 +729,8 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
         qsa_reg_fence(acc[i][j]);
       }
     }
-    // Accumulator layout of m64nN as in qsa_gemm.
-#pragma unroll
-    for (int i = 0; i < MI; ++i) {
-      const int row = m0 + wg_m * WG_TM + i * 64 + wq * 16 + (lane >> 2);
-#pragma unroll
-      for (int j = 0; j < WG_TN / 8; ++j) {
-        const int col = n0 + wg_n * WG_TN + j * 8 + 2 * (lane & 3);
-        qsa_store_pair(y, b, M, N, row, col, acc[i][4 * j], acc[i][4 * j + 1]);
-        qsa_store_pair(y, b, M, N, row + 8, col, acc[i][4 * j + 2], acc[i][4 * j + 3]);
-      }
-    }
+    qsa_store_wgmma_acc<MI, WG_TN>(y, M, N, m0 + wg_m * WG_TM + wq * 16 + (lane >> 2), col0,
+                                   lane, acc, bias);
   }
 }
 
