@@ -229,28 +229,27 @@ __device__ __forceinline__ void qsa_load_bias(__nv_bfloat162 (&bias)[J], const _
 
 // Epilogue of one warp's share of m64nN accumulators (MI of them, stacked 64 rows apart): warp
 // q of the warpgroup holds rows row0 = 16q + lane/4 (+8); registers 4j..4j+3 hold columns
-// col0 + 8j + 2(lane%4) (+1).
+// col0 + 8j + 2(lane%4) (+1). Bias pairs load CHUNK at a time ahead of their stores: one load
+// latency per chunk, for CHUNK registers.
 template <int MI, int NN>
-__device__ __forceinline__ void qsa_store_wgmma_acc(__nv_bfloat16* y, int M, int N, int row0,
-                                                    int col0, int lane, float (&acc)[MI][NN / 2],
-                                                    const __nv_bfloat162 (&bias)[NN / 8]) {
+__device__ __forceinline__ void qsa_store_wgmma_acc(__nv_bfloat16* y, const __nv_bfloat16* b,
+                                                    int M, int N, int row0, int col0, int lane,
+                                                    float (&acc)[MI][NN / 2]) {
+  constexpr int J = NN / 8;
+  constexpr int CHUNK = J < 8 ? J : 8;
 #pragma unroll
-  for (int i = 0; i < MI; ++i) {
-    const int row = row0 + i * 64;
+  for (int jc = 0; jc < J; jc += CHUNK) {
+    __nv_bfloat162 bias[CHUNK];
+    qsa_load_bias(bias, b, N, col0 + jc * 8, lane);
 #pragma unroll
-    for (int j = 0; j < NN / 8; ++j) {
-      const int col = col0 + j * 8 + 2 * (lane & 3);
-      if (col < N) {
-        const float b0 = __bfloat162float(bias[j].x);
-        const float b1 = __bfloat162float(bias[j].y);
-        if (row < M) {
-          *reinterpret_cast<__nv_bfloat162*>(y + static_cast<long long>(row) * N + col) =
-              __floats2bfloat162_rn(acc[i][4 * j] + b0, acc[i][4 * j + 1] + b1);
-        }
-        if (row + 8 < M) {
-          *reinterpret_cast<__nv_bfloat162*>(y + static_cast<long long>(row + 8) * N + col) =
-              __floats2bfloat162_rn(acc[i][4 * j + 2] + b0, acc[i][4 * j + 3] + b1);
-        }
+    for (int i = 0; i < MI; ++i) {
+      const int row = row0 + i * 64;
+#pragma unroll
+      for (int jj = 0; jj < CHUNK; ++jj) {
+        const int j = jc + jj;
+        const int col = col0 + j * 8 + 2 * (lane & 3);
+        qsa_store_pair(y, bias[jj], M, N, row, col, acc[i][4 * j], acc[i][4 * j + 1]);
+        qsa_store_pair(y, bias[jj], M, N, row + 8, col, acc[i][4 * j + 2], acc[i][4 * j + 3]);
       }
     }
   }
@@ -380,11 +379,9 @@ __device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bflo
       }
     }
 
-    const int col0 = n0 + wg_n * WG_TN;
-    __nv_bfloat162 bias[WG_TN / 8];
-    qsa_load_bias(bias, b, N, col0, lane);
-    qsa_store_wgmma_acc<MI, WG_TN>(y, M, N, m0 + wg_m * WG_TM + (warp & 3) * 16 + (lane >> 2),
-                                   col0, lane, acc, bias);
+    qsa_store_wgmma_acc<MI, WG_TN>(y, b, M, N,
+                                   m0 + wg_m * WG_TM + (warp & 3) * 16 + (lane >> 2),
+                                   n0 + wg_n * WG_TN, lane, acc);
   } else {
     // Warp (wm, wn) owns a [WTM, WTN] sub-tile: MI x NI tiles of m16n8.
     constexpr int WN_ = WARPS / LAYOUT_M;
@@ -675,10 +672,6 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     int m0, n0;
     coords(t, m0, n0);
-    // The tile's bias pairs load under the main loop.
-    const int col0 = n0 + wg_n * WG_TN;
-    __nv_bfloat162 bias[WG_TN / 8];
-    qsa_load_bias(bias, b, N, col0, lane);
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
 #pragma unroll
@@ -729,8 +722,8 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
         qsa_reg_fence(acc[i][j]);
       }
     }
-    qsa_store_wgmma_acc<MI, WG_TN>(y, M, N, m0 + wg_m * WG_TM + wq * 16 + (lane >> 2), col0,
-                                   lane, acc, bias);
+    qsa_store_wgmma_acc<MI, WG_TN>(y, b, M, N, m0 + wg_m * WG_TM + wq * 16 + (lane >> 2),
+                                   n0 + wg_n * WG_TN, lane, acc);
   }
 }
 
