@@ -158,6 +158,29 @@ def test_steady_block(tmp_path):
     assert base["median_ms"] == float(np.median(base["samples_ms"]))
 
 
+def test_compare_shows_steady_rows(fixture):
+    doc = json.loads(json.dumps(fixture))
+    doc["extra"] = {
+        "steady": {
+            "method": "m",
+            "entries": [
+                {"config": "baseline", "median_ms": 2.0, "vs_baseline": 1.0, "samples_ms": [2.0]},
+                {"config": "[1,2,3]/4/0", "median_ms": 3.0, "vs_baseline": 1.5, "samples_ms": [3]},
+                {"config": "[1,2,3]/4/8", "median_ms": 2.5, "vs_baseline": 1.25, "samples_ms": []},
+            ],
+        }
+    }
+    rows = {
+        line[:26].strip(): line[26:].split()
+        for line in sweep.compare_text(fixture, doc).splitlines()
+        if line.startswith("steady")
+    }
+    assert rows["steady best custom"] == ["-", "[1,2,3]/4/8"]
+    assert rows["steady best / baseline"] == ["-", "1.2500"]
+    assert rows["steady best / torch"] == ["-", "-"]  # no torch peer in either document
+    assert "steady" not in sweep.compare_text(fixture, fixture)
+
+
 # ---- metrics --------------------------------------------------------------------------------
 
 
@@ -358,3 +381,15 @@ def test_parse_tiles():
     assert sweep.parse_steady("20") == (20, 5)
     assert sweep.parse_steady("20x3") == (20, 3)
     assert sweep.parse_steady("0") == (0, 5)
+
+
+def test_tensor_map_argument_checks():
+    # Checked before the CUDA driver is loaded, so these run on any machine.
+    from mlx_qsa.kernels import tensormap
+
+    with pytest.raises(ValueError, match="cols a multiple of 8"):
+        tensormap.encode_bf16_rows(16, 60, 64)
+    with pytest.raises(ValueError, match="rows >= 1"):
+        tensormap.encode_bf16_rows(0, 64, 64)
+    with pytest.raises(ValueError, match=r"box_rows\): expected 1..256, got 512"):
+        tensormap.encode_bf16_rows(16, 64, 512)

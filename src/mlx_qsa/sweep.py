@@ -212,6 +212,12 @@ def summarize(doc: dict) -> dict[str, Any]:
     peers = doc.get("extra", {}).get("peers", [])
     if peers:
         out["peer"] = peers[0]
+    # extra.steady (sweep --steady): per-call throughput of the baseline and the fastest entry.
+    entries = doc.get("extra", {}).get("steady", {}).get("entries", [])
+    steady_base = next((e for e in entries if e["config"] == "baseline"), None)
+    steady_custom = [e for e in entries if e["config"] != "baseline"]
+    out["steady_baseline"] = steady_base
+    out["steady_best"] = min(steady_custom, key=lambda e: e["median_ms"], default=None)
     return out
 
 
@@ -231,6 +237,16 @@ def compare_text(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
         if s["peer"] is None or s["best"] is None:
             return "-"
         return f"{s['best']['median_ms'] / s['peer']['median_ms']:.4f}"
+
+    def steady_torch(s: dict) -> bool:
+        return s["peer"] is not None and "steady_median_ms" in s["peer"]
+
+    def steady_ratio(s: dict, torch: bool = False) -> str:
+        best = s["steady_best"]
+        if best is None or s["steady_baseline"] is None or (torch and not steady_torch(s)):
+            return "-"
+        ref = s["peer"]["steady_median_ms"] if torch else s["steady_baseline"]["median_ms"]
+        return f"{best['median_ms'] / ref:.4f}"
 
     rows = [
         ("sweep", f"A: {names[0]}", f"B: {names[1]}"),
@@ -272,6 +288,23 @@ def compare_text(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
         ("torch F.linear median ms", ms(sa["peer"]), ms(sb["peer"])),
         ("best / torch median", peer_ratio(sa), peer_ratio(sb)),
     ]
+    if sa["steady_baseline"] or sb["steady_baseline"]:
+        rows += [
+            ("steady baseline ms", ms(sa["steady_baseline"]), ms(sb["steady_baseline"])),
+            (
+                "steady best custom",
+                sa["steady_best"]["config"] if sa["steady_best"] else "-",
+                sb["steady_best"]["config"] if sb["steady_best"] else "-",
+            ),
+            ("steady best ms", ms(sa["steady_best"]), ms(sb["steady_best"])),
+            ("steady best / baseline", steady_ratio(sa), steady_ratio(sb)),
+            (
+                "steady torch ms",
+                ms(sa["peer"], "steady_median_ms") if steady_torch(sa) else "-",
+                ms(sb["peer"], "steady_median_ms") if steady_torch(sb) else "-",
+            ),
+            ("steady best / torch", steady_ratio(sa, True), steady_ratio(sb, True)),
+        ]
     w0 = max(len(r[0]) for r in rows) + 2
     w1 = max(len(r[1]) for r in rows) + 2
     lines = [f"{r[0]:<{w0}}{r[1]:<{w1}}{r[2]}" for r in rows]
