@@ -213,6 +213,29 @@ __device__ __forceinline__ void qsa_store_pair(__nv_bfloat16* y, __nv_bfloat162 
   }
 }
 
+// One k-slice of a warpgroup's m64nN wgmmas, committed as one group: the stage holds TK/64
+// swizzle atoms of A (TM rows of 128 bytes each) then of B (TN rows); this warpgroup's rows of
+// A start at row_a, its rows of B at row_b.
+template <int TM, int TN, int TK, int MI, int NN>
+__device__ __forceinline__ void qsa_wgmma_kslice(float (&acc)[MI][NN / 2], unsigned a_base,
+                                                 unsigned b_base, int row_a, int row_b) {
+  qsa_wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < TK / 16; ++ks) {
+    const unsigned atom = static_cast<unsigned>(ks >> 2);
+    const unsigned kin = static_cast<unsigned>((ks & 3) * 32);
+    const unsigned long long db =
+        qsa_desc_sw128(b_base + atom * (TN * 128) + static_cast<unsigned>(row_b * 128) + kin);
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+      const unsigned long long da = qsa_desc_sw128(
+          a_base + atom * (TM * 128) + static_cast<unsigned>((row_a + i * 64) * 128) + kin);
+      qsa_wgmma<NN>(acc[i], da, db);
+    }
+  }
+  qsa_wgmma_commit();
+}
+
 // The bias pairs of a thread's accumulator columns col0 + 8j + 2(lane%4), j < J, all loaded up
 // front: as far as the compiler knows y may alias b, so a bias load placed after a store to y
 // waits for that store, and interleaving them serialises the epilogue on load latency.
@@ -352,22 +375,7 @@ __device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bflo
       const int slot = (PD == 0) ? 0 : kt % STAGES;
       const unsigned a_base = smem0 + static_cast<unsigned>(slot * STAGE_BYTES);
       const unsigned b_base = a_base + STAGE_A;
-      qsa_wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < TK / 16; ++ks) {
-        const unsigned atom = static_cast<unsigned>(ks >> 2);
-        const unsigned kin = static_cast<unsigned>((ks & 3) * 32);
-        const unsigned long long db = qsa_desc_sw128(
-            b_base + atom * (TN * 128) + static_cast<unsigned>(wg_n * WG_TN * 128) + kin);
-#pragma unroll
-        for (int i = 0; i < MI; ++i) {
-          const unsigned long long da =
-              qsa_desc_sw128(a_base + atom * (TM * 128) +
-                             static_cast<unsigned>((wg_m * WG_TM + i * 64) * 128) + kin);
-          qsa_wgmma<WG_TN>(acc[i], da, db);
-        }
-      }
-      qsa_wgmma_commit();
+      qsa_wgmma_kslice<TM, TN, TK, MI, WG_TN>(acc, a_base, b_base, wg_m * WG_TM, wg_n * WG_TN);
       qsa_wgmma_wait<INFLIGHT>();
     }
     qsa_wgmma_wait<0>();
@@ -684,22 +692,7 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
       qsa_mbar_wait(full0 + 8u * s, phase);
       const unsigned a_base = smem0 + static_cast<unsigned>(s * STAGE_BYTES);
       const unsigned b_base = a_base + STAGE_A;
-      qsa_wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < TK / 16; ++ks) {
-        const unsigned atom = static_cast<unsigned>(ks >> 2);
-        const unsigned kin = static_cast<unsigned>((ks & 3) * 32);
-        const unsigned long long db = qsa_desc_sw128(
-            b_base + atom * (TN * 128) + static_cast<unsigned>(wg_n * WG_TN * 128) + kin);
-#pragma unroll
-        for (int i = 0; i < MI; ++i) {
-          const unsigned long long da =
-              qsa_desc_sw128(a_base + atom * (TM * 128) +
-                             static_cast<unsigned>((wg_m * WG_TM + i * 64) * 128) + kin);
-          qsa_wgmma<WG_TN>(acc[i], da, db);
-        }
-      }
-      qsa_wgmma_commit();
+      qsa_wgmma_kslice<TM, TN, TK, MI, WG_TN>(acc, a_base, b_base, wg_m * WG_TM, wg_n * WG_TN);
       // The group of the previous k-slice has finished reading its stage: hand it back.
       qsa_wgmma_wait<1>();
       if (prev >= 0 && lane == 0) {

@@ -181,23 +181,35 @@ def plan_gemm(
             f"{MAX_ACC_REGS} accumulators per thread"
         )
 
-    stage_bytes = (tm + tn) * tk * 2
-    fit = (MAX_DYNAMIC_SMEM - SMEM_ALIGN_PAD) // stage_bytes
-    if stages is None:
-        stages = min(MAX_STAGES, fit)
-    if stages < 1 or stages > fit:
-        raise NotImplementedError(
-            f"tile {[tm, tn, tk]}: {max(stages, 1)} stage(s) of {stage_bytes} bytes exceed "
-            f"{MAX_DYNAMIC_SMEM} bytes of shared memory (at most {fit} fit)"
-        )
     return GemmPlan(
         tile=(tm, tn, tk),
         warps=warps,
         walk_m=walk_m,
-        stages=stages,
+        stages=_stages((tm, tn, tk), stages, least=1, default_cap=MAX_STAGES, extra=0),
         wgmma=wg is not None,
         layout_m=wg if wg is not None else mm,
     )
+
+
+def _stages(
+    tile: tuple[int, int, int], stages: int | None, *, least: int, default_cap: int, extra: int
+) -> int:
+    """Ring depth: `stages`, or as many stages as fit (at most `default_cap`) when None.
+
+    A stage holds one [TM, TK] slab of x and one [TN, TK] slab of W in bf16; `extra` bytes of
+    shared memory (tensor maps, barriers) sit beside the ring.
+    """
+    tm, tn, tk = tile
+    stage_bytes = (tm + tn) * tk * 2
+    fit = (MAX_DYNAMIC_SMEM - SMEM_ALIGN_PAD - extra) // stage_bytes
+    if stages is None:
+        stages = min(default_cap, fit)
+    if not least <= stages <= fit:
+        raise NotImplementedError(
+            f"tile {list(tile)}: needs {least}..{max(fit, least)} stages of {stage_bytes} bytes "
+            f"within {MAX_DYNAMIC_SMEM} bytes of shared memory (at most {fit} fit), got {stages}"
+        )
+    return stages
 
 
 def _plan_tma(tm: int, tn: int, tk: int, warps: int, walk_m: int, stages: int | None) -> GemmPlan:
@@ -211,21 +223,18 @@ def _plan_tma(tm: int, tn: int, tk: int, warps: int, walk_m: int, stages: int | 
         raise NotImplementedError(
             f"tile {[tm, tn, tk]}: a TMA box spans at most {TMA_MAX_BOX_ROWS} rows"
         )
-    stage_bytes = (tm + tn) * tk * 2
-    fit = min(MAX_STAGES_TMA, (MAX_DYNAMIC_SMEM - SMEM_ALIGN_PAD - TMA_SMEM_EXTRA) // stage_bytes)
-    if stages is None:
-        stages = fit
-    # One stage in flight on the tensor cores and one loading: fewer than two cannot overlap.
-    if stages < 2 or stages > fit:
+    if stages is not None and stages > MAX_STAGES_TMA:
         raise NotImplementedError(
-            f"tile {[tm, tn, tk]}: the tma family needs 2..{max(fit, 2)} stages of {stage_bytes} "
-            f"bytes within {MAX_DYNAMIC_SMEM} bytes of shared memory, got {stages}"
+            f"tile {[tm, tn, tk]}: the tma family has barriers for at most {MAX_STAGES_TMA} "
+            f"stages, got {stages}"
         )
+    # One stage on the tensor cores and one loading: fewer than two stages cannot overlap.
+    ring = _stages((tm, tn, tk), stages, least=2, default_cap=MAX_STAGES_TMA, extra=TMA_SMEM_EXTRA)
     return GemmPlan(
         tile=(tm, tn, tk),
         warps=warps,
         walk_m=walk_m,
-        stages=stages,
+        stages=ring,
         wgmma=True,
         layout_m=layout,
         tma=True,
