@@ -20,6 +20,7 @@ if [ -f .ptxcache/ptx-cache.tar.gz ]; then tar -C "$MLX_PTX_CACHE_DIR" -xzf .ptx
 LOG="$OUT/gpu.log"
 FIXTURE=tests/data/qkv_tile_sweep_m5pro.json
 EXTRA_TILES="128x256x64/8,256x128x64/8,128x128x64/8,128x256x128/8,128x128x64/4,64x256x64/4"
+TMA_TILES="192x192x64/8,128x192x64/8,64x192x64/4"  # warpgroup N extents 96 and 192: TMA only
 STEADY="${SWEEP_STEADY:-20x7}"
 py() { python3 "$@"; }
 
@@ -49,7 +50,7 @@ py() { python3 "$@"; }
 
   echo "== sweep attn.qkv_proj, family tma (TMA producer warp, persistent grid)"
   timeout 80 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
-    --tiles "$EXTRA_TILES" --walk-m 0,8,16 --family tma --steady "$STEADY" --out "$OUT/qkv_tile_sweep_h200_tma.json"
+    --tiles "$EXTRA_TILES,$TMA_TILES" --walk-m 0,8,16 --family tma --steady "$STEADY" --out "$OUT/qkv_tile_sweep_h200_tma.json"
   echo "sweep rc=$?"
 
   for op in attn.o_proj indexer.qk_proj; do
@@ -60,7 +61,7 @@ py() { python3 "$@"; }
     echo "sweep rc=$?"
     echo "== sweep $op, family tma"
     timeout 45 python3 -m mlx_qsa sweep --op "$op" --tokens 4181 --warmup 2 --repeats 5 \
-      --tiles "$EXTRA_TILES" --walk-m 8 --family tma --steady "$STEADY" --out "$OUT/${op//./_}_tile_sweep_h200_tma.json"
+      --tiles "$EXTRA_TILES,$TMA_TILES" --walk-m 8 --family tma --steady "$STEADY" --out "$OUT/${op//./_}_tile_sweep_h200_tma.json"
     echo "sweep rc=$?"
   done
 

@@ -38,7 +38,9 @@ EXTRA_TILES = (
 CONFIGS = [(t, w, g, "auto") for t, w in DEFAULT_GRID for g in DEFAULT_WALKS]
 CONFIGS += [(t, w, 8, "auto") for t, w in EXTRA_TILES]
 CONFIGS += [((128, 128, 128), 8, 8, "mma"), ((64, 64, 128), 4, 3, "mma")]
-TMA_TILES = EXTRA_TILES
+# Plus warpgroup N extents only the TMA family has: 64x192 and 128x192 (64x192 per warpgroup,
+# m64n192) and 192x192 (two 192x96 warpgroups, m64n96, a producer warpgroup with setmaxnreg).
+TMA_TILES = EXTRA_TILES + (((128, 192, 64), 8), ((192, 192, 64), 8), ((64, 192, 64), 4))
 CONFIGS += [(t, w, g, "tma") for t, w in TMA_TILES for g in (0, 8)]
 
 # (M, N, K): one row; M, N and K off every tile; a partial walk_m group; K = D of the model.

@@ -273,6 +273,38 @@ def test_tma_plans():
         plan.blocks(4181, 13312)
 
 
+def test_tma_register_budget():
+    # 192x192 as two 192x96 warpgroups: 144 accumulators do not fit the 168 registers a thread
+    # gets beside one producer warp, so the producer is a warpgroup and the consumers get 232.
+    wide = plan_gemm((192, 192, 64), 8, 8, family="tma")
+    assert (wide.layout_m, wide.consumer_regs, wide.producer_warps) == (1, 232, 4)
+    assert wide.threads == 384
+    assert ("CONSUMER_REGS", 232) in wide.template() and wide.label.endswith("_r232")
+    # 128 accumulators fit beside one producer warp: no setmaxnreg.
+    plain = plan_gemm((128, 256, 64), 8, 8, family="tma")
+    assert (plain.consumer_regs, plain.producer_warps, plain.threads) == (0, 1, 288)
+    assert ("CONSUMER_REGS", 0) in plain.template()
+    # 17 warps leave 96 registers per thread; four consumer warpgroups with a producer
+    # warpgroup get 112.
+    assert plan_gemm((128, 256, 64), 16, family="tma").consumer_regs == 112
+    with pytest.raises(NotImplementedError, match="accumulators per thread need"):
+        plan_gemm((192, 256, 64), 16, family="tma")
+    assert plan_gemm((128, 256, 64), 8).producer_warps == 0
+
+
+def test_tma_kernel_has_launch_bounds():
+    from mlx_qsa.kernels.gemm import kernel_text
+
+    header, body = kernel_text(plan_gemm((192, 192, 64), 8, 8, family="tma"))
+    # The redefinition closes the header, right before MLX writes `__global__ void <name>(`.
+    last = header.rstrip().splitlines()[-1]
+    assert last == "#define __global__ __location__(global) __launch_bounds__(384, 1)"
+    assert "qsa_gemm_tma<" in body and "CONSUMER_REGS" in body
+    # The cp.async families keep MLX's plain `__global__`.
+    header, body = kernel_text(plan_gemm((128, 256, 64), 8, 8))
+    assert "#define __global__" not in header and "qsa_gemm<" in body
+
+
 def test_tma_plan_errors():
     with pytest.raises(NotImplementedError, match="warpgroups"):
         plan_gemm((64, 64, 64), 2, family="tma")

@@ -617,6 +617,8 @@ def run_sweep(
                     "family": plan.family,
                     "stages": plan.stages,
                     "layout_m": plan.layout_m,
+                    "threads": plan.threads,
+                    "consumer_regs": plan.consumer_regs,
                     "shared_memory": plan.shared_memory,
                 }
             )

@@ -116,6 +116,25 @@ __device__ __forceinline__ void qsa_wgmma_n64(float (&d)[32], unsigned long long
       : "l"(da), "l"(db));
 }
 
+__device__ __forceinline__ void qsa_wgmma_n96(float (&d)[48], unsigned long long da,
+                                              unsigned long long db) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47},"
+      " %48, %49, 1, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "l"(da), "l"(db));
+}
+
 __device__ __forceinline__ void qsa_wgmma_n128(float (&d)[64], unsigned long long da,
                                                unsigned long long db) {
   asm volatile(
@@ -135,6 +154,34 @@ __device__ __forceinline__ void qsa_wgmma_n128(float (&d)[64], unsigned long lon
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db));
+}
+
+__device__ __forceinline__ void qsa_wgmma_n192(float (&d)[96], unsigned long long da,
+                                               unsigned long long db) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      " %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      " %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95},"
+      " %96, %97, 1, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
       : "l"(da), "l"(db));
 }
 
@@ -177,10 +224,14 @@ __device__ __forceinline__ void qsa_wgmma(float (&d)[WN / 2], unsigned long long
                                           unsigned long long db) {
   if constexpr (WN == 64) {
     qsa_wgmma_n64(d, da, db);
+  } else if constexpr (WN == 96) {
+    qsa_wgmma_n96(d, da, db);
   } else if constexpr (WN == 128) {
     qsa_wgmma_n128(d, da, db);
+  } else if constexpr (WN == 192) {
+    qsa_wgmma_n192(d, da, db);
   } else {
-    static_assert(WN == 256, "warpgroup N extent must be 64, 128 or 256");
+    static_assert(WN == 256, "warpgroup N extent must be 64, 96, 128, 192 or 256");
     qsa_wgmma_n256(d, da, db);
   }
 }
@@ -259,7 +310,7 @@ __device__ __forceinline__ void qsa_store_wgmma_acc(__nv_bfloat16* y, const __nv
                                                     int M, int N, int row0, int col0, int lane,
                                                     float (&acc)[MI][NN / 2]) {
   constexpr int J = NN / 8;
-  constexpr int CHUNK = J < 8 ? J : 8;
+  constexpr int CHUNK = J % 8 == 0 ? 8 : J % 6 == 0 ? 6 : J % 4 == 0 ? 4 : J;
 #pragma unroll
   for (int jc = 0; jc < J; jc += CHUNK) {
     __nv_bfloat162 bias[CHUNK];
@@ -492,18 +543,32 @@ __device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bflo
 
 // ---- TMA-fed, warp-specialised, persistent wgmma kernel (family "tma", sm_90a) ----
 //
-// WARPS consumer warps (whole warpgroups) run wgmma; one more warp is the producer: its lane 0
-// issues TMA tile loads (cp.async.bulk.tensor) into a STAGES-deep ring guarded by mbarriers
+// WARPS consumer warps (whole warpgroups) run wgmma; one more warp (or, with CONSUMER_REGS, one
+// more warpgroup) is the producer: lane 0 of its first warp issues TMA tile loads (cp.async.bulk.tensor) into a STAGES-deep ring guarded by mbarriers
 // (full[s]: bytes landed; empty[s]: every consumer warp finished reading). The grid holds at
 // most one block per SM and each block walks tiles blockIdx.x, +gridDim.x, ... in the
 // rasterisation of SWEEP.md §4, so the producer already loads the next tile while the consumers
 // run the epilogue. The TMA unit reads tensor maps from global memory: the host encodes one
 // template per operand (`tmaps`, 2 x 128 bytes: x then W, at a placeholder address); the
 // producer warp copies each into shared memory, points it at the real operand with
-// tensormap.replace and publishes it to this block's 256-byte slot of `scratch`.
+// tensormap.replace and publishes it to this block's 256-byte slot of `scratch`. The launcher
+// puts launch bounds on the kernel (gemm.py, launch_bounds_header), so NVRTC keeps every warp
+// within its share of the register file.
 
 __device__ __forceinline__ void qsa_mbar_init(unsigned bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Register budget of the executing warpgroup (sm_90a; every thread of the warpgroup executes
+// it): the producer gives registers back, the consumers take them for larger accumulators.
+template <int REGS>
+__device__ __forceinline__ void qsa_setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+template <int REGS>
+__device__ __forceinline__ void qsa_setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
 }
 
 __device__ __forceinline__ void qsa_fence_mbar_init() {
@@ -571,7 +636,12 @@ __device__ __forceinline__ void qsa_tmap_publish(const unsigned long long* tmpl,
   asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(slot) : "memory");
 }
 
-template <int TM, int TN, int TK, int WARPS, int WALK_M, int STAGES, int LAYOUT_M>
+// CONSUMER_REGS = 0: the producer is one warp and every warp keeps the kernel's register count.
+// CONSUMER_REGS > 0: the producer is a whole warpgroup that drops to PRODUCER_REGS registers
+// per thread, and the consumer warpgroups raise theirs to CONSUMER_REGS (accumulators above what
+// the launch bounds allow every thread).
+template <int TM, int TN, int TK, int WARPS, int WALK_M, int STAGES, int LAYOUT_M,
+          int CONSUMER_REGS>
 __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_bfloat16* w,
                                              const __nv_bfloat16* b,
                                              const unsigned long long* tmaps, __nv_bfloat16* y,
@@ -637,8 +707,12 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   }
   __syncthreads();
 
-  if (warp == WARPS) {
-    if (lane == 0) {
+  constexpr int PRODUCER_REGS = 40;
+  if (warp >= WARPS) {
+    if constexpr (CONSUMER_REGS > 0) {
+      qsa_setmaxnreg_dec<PRODUCER_REGS>();
+    }
+    if (warp == WARPS && lane == 0) {
       const void* map_x = slot;
       const void* map_w = slot + 16;
       int s = 0;
@@ -669,6 +743,9 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
     return;
   }
 
+  if constexpr (CONSUMER_REGS > 0) {
+    qsa_setmaxnreg_inc<CONSUMER_REGS>();
+  }
   // Consumers: warpgroup g owns rows [wg_m·WG_TM, +WG_TM) and columns [wg_n·WG_TN, +WG_TN).
   const int wg = warp >> 2;
   const int wg_m = wg % LAYOUT_M;
@@ -724,6 +801,6 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   qsa_gemm<TM, TN, TK, WARPS, WALK_M, STAGES, WGMMA, LAYOUT_M>(x, w, b, y, x_shape[0], w_shape[0],
                                                               x_shape[1]);
 //// BODY tma ////
-  qsa_gemm_tma<TM, TN, TK, WARPS, WALK_M, STAGES, LAYOUT_M>(
+  qsa_gemm_tma<TM, TN, TK, WARPS, WALK_M, STAGES, LAYOUT_M, CONSUMER_REGS>(
       x, w, b, reinterpret_cast<const unsigned long long*>(tmaps), y,
       reinterpret_cast<unsigned char*>(scratch), x_shape[0], w_shape[0], x_shape[1]);

@@ -34,7 +34,19 @@ MAX_STAGES_TMA = 8
 TMA_SMEM_EXTRA = 2 * 128 + 2 * 8 * MAX_STAGES_TMA  # two tensor maps, full/empty barriers
 TMA_MAX_BOX_ROWS = 256
 MAX_ACC_REGS = 128  # fp32 accumulators per thread
-WGMMA_N = (64, 128, 256)  # warpgroup N extents with a wrapper in gemm.cu
+# Registers are split between an SM's four sub-partitions (16K each; warp w runs on w % 4), so
+# with one producer warp beside 8 consumer warps three warps share one and each thread gets at
+# most 168. Tiles whose accumulators do not fit that (up to TMA_MAX_ACC_REGS: a 192x192 tile as
+# two 192x96 warpgroups has 144) get a producer warpgroup that hands its registers to the
+# consumers with setmaxnreg.
+TMA_MAX_ACC_REGS = 144
+PRODUCER_REGS = 40  # gemm.cu: the producer warpgroup's registers after setmaxnreg.dec
+SUBPARTITION_REGS = 16384
+# Addresses, loop state and epilogue temporaries beside the accumulators (NVRTC 13 put the
+# 128-accumulator 128x256x64 kernel at 166 registers: benchmarks/gemm_registers.py).
+ACC_OVERHEAD_REGS = 40
+WGMMA_N = (64, 128, 256)  # warpgroup N extents of the cp.async wgmma family
+TMA_WGMMA_N = (64, 96, 128, 192, 256)  # and of the TMA family (every wrapper in gemm.cu)
 FAMILIES = ("auto", "wgmma", "mma", "tma")
 
 
@@ -49,11 +61,20 @@ class GemmPlan:
     wgmma: bool
     layout_m: int  # warpgroups (wgmma) or warps (mma) stacked along M
     tma: bool = False  # persistent, warp-specialised, TMA-fed (implies wgmma)
+    # TMA family: 0 = one producer warp; > 0 = a producer warpgroup that gives registers back
+    # (setmaxnreg) so that each consumer thread gets this many.
+    consumer_regs: int = 0
+
+    @property
+    def producer_warps(self) -> int:
+        if not self.tma:
+            return 0
+        return 4 if self.consumer_regs else 1
 
     @property
     def threads(self) -> int:
-        # The TMA family adds its producer warp to the `warps` consumer warps.
-        return 32 * (self.warps + int(self.tma))
+        # The TMA family adds its producer warp(s) to the `warps` consumer warps.
+        return 32 * (self.warps + self.producer_warps)
 
     @property
     def stage_bytes(self) -> int:
@@ -73,6 +94,8 @@ class GemmPlan:
     def label(self) -> str:
         tm, tn, tk = self.tile
         kind = f"{self.family}{self.layout_m}"
+        if self.consumer_regs:
+            kind += f"_r{self.consumer_regs}"
         return f"{tm}x{tn}x{tk}_w{self.warps}_g{self.walk_m}_s{self.stages}_{kind}"
 
     def template(self) -> list[tuple[str, int]]:
@@ -81,7 +104,10 @@ class GemmPlan:
         names += [("WALK_M", self.walk_m), ("STAGES", self.stages)]
         if not self.tma:
             names.append(("WGMMA", int(self.wgmma)))
-        return names + [("LAYOUT_M", self.layout_m)]
+        names.append(("LAYOUT_M", self.layout_m))
+        if self.tma:
+            names.append(("CONSUMER_REGS", self.consumer_regs))
+        return names
 
     def tiles(self, m: int, n: int) -> int:
         tm, tn, _ = self.tile
@@ -103,7 +129,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _wgmma_layout(tm: int, tn: int, warps: int) -> int | None:
+def _wgmma_layout(
+    tm: int,
+    tn: int,
+    warps: int,
+    max_acc: int = MAX_ACC_REGS,
+    extents: tuple[int, ...] = WGMMA_N,
+) -> int | None:
     """Warpgroups along M for the widest warpgroup N extent that fits, or None."""
     if warps % 4:
         return None
@@ -114,7 +146,7 @@ def _wgmma_layout(tm: int, tn: int, warps: int) -> int | None:
         if tm % (64 * lm) or tn % wgn:
             continue
         wg_tn = tn // wgn
-        if wg_tn not in WGMMA_N or (tm // lm // 64) * (wg_tn // 2) > MAX_ACC_REGS:
+        if wg_tn not in extents or (tm // lm // 64) * (wg_tn // 2) > max_acc:
             continue
         if best is None or wg_tn > best[0]:
             best = (wg_tn, lm)
@@ -213,11 +245,11 @@ def _stages(
 
 
 def _plan_tma(tm: int, tn: int, tk: int, warps: int, walk_m: int, stages: int | None) -> GemmPlan:
-    layout = _wgmma_layout(tm, tn, warps)
+    layout = _wgmma_layout(tm, tn, warps, TMA_MAX_ACC_REGS, TMA_WGMMA_N)
     if layout is None:
         raise NotImplementedError(
             f"tile {[tm, tn, tk]} / {warps} warps: the tma family needs whole consumer "
-            f"warpgroups with a wgmma layout within {MAX_ACC_REGS} accumulators per thread"
+            f"warpgroups with a wgmma layout within {TMA_MAX_ACC_REGS} accumulators per thread"
         )
     if max(tm, tn) > TMA_MAX_BOX_ROWS:
         raise NotImplementedError(
@@ -230,6 +262,22 @@ def _plan_tma(tm: int, tn: int, tk: int, warps: int, walk_m: int, stages: int | 
         )
     # One stage on the tensor cores and one loading: fewer than two stages cannot overlap.
     ring = _stages((tm, tn, tk), stages, least=2, default_cap=MAX_STAGES_TMA, extra=TMA_SMEM_EXTRA)
+    groups = warps // 4
+    acc = (tm // layout // 64) * (tn // (groups // layout) // 2)
+    need = acc + ACC_OVERHEAD_REGS
+    # One producer warp: ceil((warps + 1) / 4) warps share a sub-partition.
+    plain = min(255, SUBPARTITION_REGS // 32 // -(-(warps + 1) // 4)) // 8 * 8
+    consumer_regs = 0
+    if need > plain:
+        # A producer warpgroup: one producer and `groups` consumer warps per sub-partition.
+        budget = (SUBPARTITION_REGS // 32 - PRODUCER_REGS) // groups // 8 * 8
+        consumer_regs = min(256, budget)
+        if consumer_regs < need:
+            raise NotImplementedError(
+                f"tile {[tm, tn, tk]} / {warps} warps: {acc} accumulators per thread need "
+                f"about {need} registers; {groups} consumer warpgroups get at most "
+                f"{max(plain, consumer_regs)}"
+            )
     return GemmPlan(
         tile=(tm, tn, tk),
         warps=warps,
@@ -238,6 +286,7 @@ def _plan_tma(tm: int, tn: int, tk: int, warps: int, walk_m: int, stages: int | 
         wgmma=True,
         layout_m=layout,
         tma=True,
+        consumer_regs=consumer_regs,
     )
 
 
@@ -263,18 +312,43 @@ def _source() -> tuple[str, str, str, str]:
     return header, body, body_tma, hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
+def launch_bounds_header(threads: int) -> str:
+    """Header text that puts `__launch_bounds__(threads, 1)` on MLX's generated kernel.
+
+    `mx.fast.cuda_kernel` writes the kernel as `__global__ void <name>(...)` right after the
+    header and takes no launch bounds, so NVRTC may give each thread more registers than a
+    block of `threads` can hold (the launch then fails: "too many resources requested").
+    Redefining `__global__` (crt/host_defines.h: `__location__(global)`) at the end of the header
+    reaches that one definition: the compiler caps registers at 65536 / threads instead.
+    """
+    return (
+        "\n#undef __global__\n"
+        f"#define __global__ __location__(global) __launch_bounds__({threads}, 1)\n"
+    )
+
+
+def kernel_text(plan: GemmPlan) -> tuple[str, str]:
+    """(header, body) that `_kernel` hands to `mx.fast.cuda_kernel` for `plan`."""
+    header, body, body_tma, _ = _source()
+    if plan.tma:
+        # 288 threads (8 consumer warps + the producer) leave 224 registers per thread.
+        return header + launch_bounds_header(plan.threads), body_tma
+    return header, body
+
+
 @functools.cache
 def _kernel(plan: GemmPlan):
     import mlx.core as mx
 
-    header, body, body_tma, digest = _source()
+    header, source = kernel_text(plan)
+    digest = hashlib.sha1((header + source).encode()).hexdigest()[:10]
     # MLX caches compiled modules by name (in memory and in MLX_PTX_CACHE_DIR), so the name
-    # carries the whole key and the source digest.
+    # carries the whole key and the digest of the text it compiles.
     return mx.fast.cuda_kernel(
         name=f"qsa_gemm_{plan.label}_{digest}",
         input_names=["x", "w", "b", "tmaps"] if plan.tma else ["x", "w", "b"],
         output_names=["y", "scratch"] if plan.tma else ["y"],
-        source=body_tma if plan.tma else body,
+        source=source,
         header=header,
         ensure_row_contiguous=True,
         shared_memory=plan.shared_memory,
