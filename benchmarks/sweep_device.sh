@@ -53,6 +53,12 @@ py() { python3 "$@"; }
     --tiles "$EXTRA_TILES,$TMA_TILES" --walk-m 0,8,16 --family tma --steady "$STEADY" --out "$OUT/qkv_tile_sweep_h200_tma.json"
   echo "sweep rc=$?"
 
+  echo "== sweep attn.qkv_proj, family tma_mc (clusters of two, W multicast)"
+  timeout 80 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
+    --tiles "128x256x64/8,256x128x64/8,192x192x64/8,128x128x64/4" --walk-m 8,16 --family tma_mc \
+    --steady "$STEADY" --out "$OUT/qkv_tile_sweep_h200_tma_mc.json"
+  echo "sweep rc=$?"
+
   for op in attn.o_proj indexer.qk_proj; do
     echo "== sweep $op"
     timeout 45 python3 -m mlx_qsa sweep --op "$op" --tokens 4181 --warmup 2 --repeats 5 \
@@ -68,7 +74,7 @@ py() { python3 "$@"; }
   tar -C "$MLX_PTX_CACHE_DIR" -czf "$OUT/ptx-cache.tar.gz" . 2>/dev/null
 
   for f in "$OUT"/qkv_tile_sweep_h200.json "$OUT"/qkv_tile_sweep_h200_extra.json \
-    "$OUT"/qkv_tile_sweep_h200_tma.json; do
+    "$OUT"/qkv_tile_sweep_h200_tma.json "$OUT"/qkv_tile_sweep_h200_tma_mc.json; do
     [ -f "$f" ] || continue
     echo "== compare $FIXTURE $f"
     py -m mlx_qsa sweep --compare "$FIXTURE" "$f"

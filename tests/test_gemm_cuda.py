@@ -42,6 +42,10 @@ CONFIGS += [((128, 128, 128), 8, 8, "mma"), ((64, 64, 128), 4, 3, "mma")]
 # m64n192) and 192x192 (two 192x96 warpgroups, m64n96, a producer warpgroup with setmaxnreg).
 TMA_TILES = EXTRA_TILES + (((128, 192, 64), 8), ((192, 192, 64), 8), ((64, 192, 64), 4))
 CONFIGS += [(t, w, g, "tma") for t, w in TMA_TILES for g in (0, 8)]
+# Clusters of two blocks sharing W tiles by multicast; M = 37, 131 and 333 leave the last pair of
+# tile rows half below M.
+MC_TILES = (((128, 256, 64), 8), ((256, 128, 64), 8), ((192, 192, 64), 8), ((128, 128, 64), 4))
+CONFIGS += [(t, w, g, "tma_mc") for t, w in MC_TILES for g in (0, 8)]
 
 # (M, N, K): one row; M, N and K off every tile; a partial walk_m group; K = D of the model.
 SHAPES = [(1, 64, 64), (37, 136, 200), (333, 520, 576), (131, 264, 2560)]
@@ -67,7 +71,7 @@ def _inputs(m: int, n: int, k: int, seed: int):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_id)
 def test_gemm_matches_addmm(cfg):
     tile, warps, walk, family = cfg
-    shapes = SHAPES + [PERSISTENT_SHAPE] if family == "tma" else SHAPES
+    shapes = SHAPES + [PERSISTENT_SHAPE] if family.startswith("tma") else SHAPES
     for i, (m, n, k) in enumerate(shapes):
         x, w, b = _inputs(m, n, k, seed=1000 + i)
         y = gemm_bias(
@@ -112,6 +116,9 @@ def test_tma_gemm_is_deterministic_and_independent_of_walk():
     # The TMA and cp.async wgmma kernels sum each element in the same k order.
     ref = gemm_bias(x, w, b, tile=(128, 256, 64), warps=8, walk_m=8, family="wgmma")
     print("tma vs wgmma bit-equal:", mx.array_equal(ref, ys[0]).item())
+    # Multicast changes where W's rows come from, not the arithmetic.
+    mc = gemm_bias(x, w, b, tile=(128, 256, 64), warps=8, walk_m=8, family="tma_mc")
+    assert mx.array_equal(mc, ys[0]).item()
 
 
 @needs_cuda

@@ -292,6 +292,19 @@ def test_tma_register_budget():
     assert plan_gemm((128, 256, 64), 8).producer_warps == 0
 
 
+def test_tma_multicast_plans():
+    plan = plan_gemm((128, 256, 64), 8, 8, family="tma_mc")
+    assert (plan.family, plan.cluster, plan.tma, plan.threads) == ("tma_mc", 2, True, 288)
+    assert ("CLUSTER", 2) in plan.template() and "_c2" in plan.label
+    assert ("CLUSTER", 1) in plan_gemm((128, 256, 64), 8, 8, family="tma").template()
+    # Whole clusters; a unit is two vertically adjacent tiles: 33 tile rows make 17 units.
+    assert plan.blocks(4181, 13312, sms=132) == 132
+    assert plan.blocks(300, 256, sms=132) == 4  # 3 tile rows -> 2 units -> 2 clusters
+    assert plan.blocks(4181, 13312, sms=131) == 130
+    # The same register rule as the single-CTA family.
+    assert plan_gemm((192, 192, 64), 8, family="tma_mc").consumer_regs == 232
+
+
 def test_tma_kernel_has_launch_bounds():
     from mlx_qsa.kernels.gemm import kernel_text
 
@@ -300,6 +313,10 @@ def test_tma_kernel_has_launch_bounds():
     last = header.rstrip().splitlines()[-1]
     assert last == "#define __global__ __location__(global) __launch_bounds__(384, 1)"
     assert "qsa_gemm_tma<" in body and "CONSUMER_REGS" in body
+    header, _ = kernel_text(plan_gemm((128, 256, 64), 8, 8, family="tma_mc"))
+    assert header.rstrip().splitlines()[-1].endswith(
+        "__launch_bounds__(288, 1) __cluster_dims__(2, 1, 1)"
+    )
     # The cp.async families keep MLX's plain `__global__`.
     header, body = kernel_text(plan_gemm((128, 256, 64), 8, 8))
     assert "#define __global__" not in header and "qsa_gemm<" in body

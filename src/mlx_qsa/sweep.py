@@ -690,11 +690,17 @@ def scope_text(
         "BF16 inputs (standard normal); synthetic BF16 bias (the weights' law x 0.1), since the "
         "QSA projections have no bias. Baseline mx.addmm (cuBLASLt bias epilogue on CUDA)."
     )
-    if custom_ran and family == "tma":
+    if custom_ran and family in ("tma", "tma_mc"):
+        clusters = (
+            " in clusters of two blocks that share each W tile by TMA multicast"
+            if family == "tma_mc"
+            else ""
+        )
         text += (
             " Custom mx.fast.cuda_kernel GEMMs with FP32 accumulation and BF16 bias epilogue: "
-            "family tma (persistent grid of one block per SM; one producer warp issuing TMA "
-            "tile loads into an mbarrier-guarded ring of "
+            f"family {family} (persistent grid of one block per SM{clusters}; one producer warp "
+            "(a producer warpgroup handing registers to the consumers where the tile needs "
+            "them) issuing TMA tile loads into an mbarrier-guarded ring of "
             + ("as many stages as fit, up to 8" if stages is None else f"{stages} stages")
             + "; consumer warpgroups on wgmma m64nNk16, sm_90a), 128-byte swizzled shared memory."
         )

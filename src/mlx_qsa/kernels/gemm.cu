@@ -611,6 +611,48 @@ __device__ __forceinline__ void qsa_tma_load_2d(unsigned dst, const void* tmap, 
       : "memory");
 }
 
+// The same box delivered to offset `dst` of every CTA of the cluster in `cta_mask`; each
+// destination CTA's barrier at offset `bar` counts the bytes.
+__device__ __forceinline__ void qsa_tma_load_2d_multicast(unsigned dst, const void* tmap,
+                                                          unsigned bar, int c0, int c1,
+                                                          unsigned short cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
+      "l"(tmap), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
+      : "memory");
+}
+
+// Arrival on the barrier at offset `bar` of CTA `cta` of this cluster.
+__device__ __forceinline__ void qsa_mbar_arrive_remote(unsigned bar, unsigned cta) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
+               : "memory");
+}
+
+// As qsa_mbar_wait, acquiring at cluster scope (arrivals come from the other CTA too).
+__device__ __forceinline__ void qsa_mbar_wait_cluster(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// Every thread of every CTA of the cluster.
+__device__ __forceinline__ void qsa_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 // One full warp: template (global, 16 x u64) -> shared copy -> global address replaced ->
 // published to `slot` (global, 128-byte aligned) and acquired for this thread's TMA loads.
 __device__ __forceinline__ void qsa_tmap_publish(const unsigned long long* tmpl,
@@ -640,8 +682,13 @@ __device__ __forceinline__ void qsa_tmap_publish(const unsigned long long* tmpl,
 // CONSUMER_REGS > 0: the producer is a whole warpgroup that drops to PRODUCER_REGS registers
 // per thread, and the consumer warpgroups raise theirs to CONSUMER_REGS (accumulators above what
 // the launch bounds allow every thread).
+// CLUSTER = 2 (family "tma_mc", launched as clusters of two CTAs): the pair computes the tiles
+// of two neighbouring M rows that share their W tile; each CTA loads its own x tile and half the
+// W tile, multicast into both CTAs, so W crosses L2 once per pair. A stage is refilled only once
+// the consumers of both CTAs have released it (each consumer warp arrives on both CTAs' empty
+// barriers), and neither CTA exits while the other may still arrive on its barriers.
 template <int TM, int TN, int TK, int WARPS, int WALK_M, int STAGES, int LAYOUT_M,
-          int CONSUMER_REGS>
+          int CONSUMER_REGS, int CLUSTER>
 __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_bfloat16* w,
                                              const __nv_bfloat16* b,
                                              const unsigned long long* tmaps, __nv_bfloat16* y,
@@ -655,6 +702,8 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   constexpr int MI = WG_TM / 64;
   static_assert(TK % 64 == 0 && WARPS % 4 == 0, "whole swizzle atoms and whole warpgroups");
   static_assert(TM <= 256 && TN <= 256, "a TMA box spans at most 256 rows");
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && (TN / 2) % 8 == 0), "pairs split W by 8 rows");
+  constexpr int B_ROWS = TN / CLUSTER;  // W rows this CTA loads per stage
 
   extern __shared__ unsigned char qsa_smem[];
   const unsigned raw = qsa_smem_u32(qsa_smem);
@@ -669,7 +718,12 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int tiles_m = (M + TM - 1) / TM;
+  // The schedule walks units of CLUSTER vertically adjacent tiles (one tile when CLUSTER = 1);
+  // a pair's second tile may lie below M: its x box arrives as zeros and its stores are masked.
+  const int rank = CLUSTER == 2 ? static_cast<int>(blockIdx.x & 1u) : 0;
+  const int unit0 = static_cast<int>(blockIdx.x) / CLUSTER;
+  const int units = static_cast<int>(gridDim.x) / CLUSTER;
+  const int tiles_m = ((M + TM - 1) / TM + CLUSTER - 1) / CLUSTER;
   const int tiles_n = (N + TN - 1) / TN;
   const int tiles = tiles_m * tiles_n;
   const int KT = (K + TK - 1) / TK;
@@ -687,7 +741,7 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
       tile_m = first + r % g;
       tile_n = r / g;
     }
-    m0 = tile_m * TM;
+    m0 = (tile_m * CLUSTER + rank) * TM;
     n0 = tile_n * TN;
   };
 
@@ -700,12 +754,16 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
     if (lane == 0) {
       for (int s = 0; s < STAGES; ++s) {
         qsa_mbar_init(full0 + 8u * s, 1);
-        qsa_mbar_init(empty0 + 8u * s, WARPS);
+        qsa_mbar_init(empty0 + 8u * s, WARPS * CLUSTER);
       }
       qsa_fence_mbar_init();
     }
   }
-  __syncthreads();
+  if constexpr (CLUSTER == 2) {
+    qsa_cluster_sync();  // both CTAs' barriers exist before either CTA signals the other's
+  } else {
+    __syncthreads();
+  }
 
   constexpr int PRODUCER_REGS = 40;
   if (warp >= WARPS) {
@@ -717,21 +775,32 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
       const void* map_w = slot + 16;
       int s = 0;
       unsigned phase = 0;
-      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      for (int t = unit0; t < tiles; t += units) {
         int m0, n0;
         coords(t, m0, n0);
         for (int kt = 0; kt < KT; ++kt) {
           // A fresh barrier counts as having completed the phase before its first.
-          qsa_mbar_wait(empty0 + 8u * s, phase ^ 1u);
+          if constexpr (CLUSTER == 2) {
+            qsa_mbar_wait_cluster(empty0 + 8u * s, phase ^ 1u);
+          } else {
+            qsa_mbar_wait(empty0 + 8u * s, phase ^ 1u);
+          }
           const unsigned full = full0 + 8u * s;
+          // Own x tile plus the whole W tile (with CLUSTER = 2, half of it from the other CTA).
           qsa_mbar_expect_tx(full, STAGE_BYTES);
           const unsigned base = smem0 + static_cast<unsigned>(s * STAGE_BYTES);
 #pragma unroll
           for (int a = 0; a < ATOMS; ++a) {
             qsa_tma_load_2d(base + static_cast<unsigned>(a * TM * 128), map_x, full,
                             kt * TK + a * 64, m0);
-            qsa_tma_load_2d(base + static_cast<unsigned>(STAGE_A + a * TN * 128), map_w, full,
-                            kt * TK + a * 64, n0);
+            const unsigned b_dst =
+                base + static_cast<unsigned>(STAGE_A + a * TN * 128 + rank * B_ROWS * 128);
+            if constexpr (CLUSTER == 2) {
+              qsa_tma_load_2d_multicast(b_dst, map_w, full, kt * TK + a * 64,
+                                        n0 + rank * B_ROWS, 0x3);
+            } else {
+              qsa_tma_load_2d(b_dst, map_w, full, kt * TK + a * 64, n0);
+            }
           }
           if (++s == STAGES) {
             s = 0;
@@ -740,12 +809,26 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
         }
       }
     }
+    if constexpr (CLUSTER == 2) {
+      __syncwarp();
+      qsa_cluster_sync();
+    }
     return;
   }
 
   if constexpr (CONSUMER_REGS > 0) {
     qsa_setmaxnreg_inc<CONSUMER_REGS>();
   }
+  // Hands stage `st` back to the producers that refill it (this CTA's, and the other CTA's,
+  // whose W half lands here too).
+  auto release = [&](int st) {
+    if (lane == 0) {
+      qsa_mbar_arrive(empty0 + 8u * st);
+      if constexpr (CLUSTER == 2) {
+        qsa_mbar_arrive_remote(empty0 + 8u * st, static_cast<unsigned>(rank ^ 1));
+      }
+    }
+  };
   // Consumers: warpgroup g owns rows [wg_m·WG_TM, +WG_TM) and columns [wg_n·WG_TN, +WG_TN).
   const int wg = warp >> 2;
   const int wg_m = wg % LAYOUT_M;
@@ -754,7 +837,7 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   int s = 0;
   unsigned phase = 0;
   float acc[MI][WG_TN / 2];
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+  for (int t = unit0; t < tiles; t += units) {
     int m0, n0;
     coords(t, m0, n0);
 #pragma unroll
@@ -772,8 +855,8 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
       qsa_wgmma_kslice<TM, TN, TK, MI, WG_TN>(acc, a_base, b_base, wg_m * WG_TM, wg_n * WG_TN);
       // The group of the previous k-slice has finished reading its stage: hand it back.
       qsa_wgmma_wait<1>();
-      if (prev >= 0 && lane == 0) {
-        qsa_mbar_arrive(empty0 + 8u * prev);
+      if (prev >= 0) {
+        release(prev);
       }
       prev = s;
       if (++s == STAGES) {
@@ -782,8 +865,8 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
       }
     }
     qsa_wgmma_wait<0>();
-    if (prev >= 0 && lane == 0) {
-      qsa_mbar_arrive(empty0 + 8u * prev);
+    if (prev >= 0) {
+      release(prev);
     }
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
@@ -795,12 +878,15 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
     qsa_store_wgmma_acc<MI, WG_TN>(y, b, M, N, m0 + wg_m * WG_TM + wq * 16 + (lane >> 2),
                                    n0 + wg_n * WG_TN, lane, acc);
   }
+  if constexpr (CLUSTER == 2) {
+    qsa_cluster_sync();  // the other CTA's last arrivals on this CTA's barriers have landed
+  }
 }
 
 //// BODY ////
   qsa_gemm<TM, TN, TK, WARPS, WALK_M, STAGES, WGMMA, LAYOUT_M>(x, w, b, y, x_shape[0], w_shape[0],
                                                               x_shape[1]);
 //// BODY tma ////
-  qsa_gemm_tma<TM, TN, TK, WARPS, WALK_M, STAGES, LAYOUT_M, CONSUMER_REGS>(
+  qsa_gemm_tma<TM, TN, TK, WARPS, WALK_M, STAGES, LAYOUT_M, CONSUMER_REGS, CLUSTER>(
       x, w, b, reinterpret_cast<const unsigned long long*>(tmaps), y,
       reinterpret_cast<unsigned char*>(scratch), x_shape[0], w_shape[0], x_shape[1]);

@@ -6,7 +6,8 @@ block tile `[TM, TN, TK]`, warps per block and `walk_m` (grouped rasterisation, 
 Tiles whose warps form whole warpgroups run on `wgmma` (sm_90a); the others run on warp-level
 `mma.sync` m16n8k16. Both read a cp.async ring of 128-byte-swizzled shared-memory stages.
 Family `tma` is the Hopper design: a persistent grid (one block per SM), one producer warp
-feeding TMA tile loads through mbarriers to `warps` consumer warps on wgmma (gemm.cu).
+feeding TMA tile loads through mbarriers to `warps` consumer warps on wgmma (gemm.cu); family
+`tma_mc` runs it in clusters of two blocks that share each W tile by TMA multicast.
 
 `plan_gemm` and `tile_coords` are pure; MLX is imported only where arrays are made, so that
 `mlx_qsa.sweep` can set MLX's precision variables before MLX loads.
@@ -47,7 +48,7 @@ SUBPARTITION_REGS = 16384
 ACC_OVERHEAD_REGS = 40
 WGMMA_N = (64, 128, 256)  # warpgroup N extents of the cp.async wgmma family
 TMA_WGMMA_N = (64, 96, 128, 192, 256)  # and of the TMA family (every wrapper in gemm.cu)
-FAMILIES = ("auto", "wgmma", "mma", "tma")
+FAMILIES = ("auto", "wgmma", "mma", "tma", "tma_mc")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class GemmPlan:
     # TMA family: 0 = one producer warp; > 0 = a producer warpgroup that gives registers back
     # (setmaxnreg) so that each consumer thread gets this many.
     consumer_regs: int = 0
+    cluster: int = 1  # TMA family: CTAs per cluster; 2 = pairs sharing W tiles by multicast
 
     @property
     def producer_warps(self) -> int:
@@ -88,12 +90,16 @@ class GemmPlan:
 
     @property
     def family(self) -> str:
-        return "tma" if self.tma else "wgmma" if self.wgmma else "mma"
+        if self.tma:
+            return "tma_mc" if self.cluster > 1 else "tma"
+        return "wgmma" if self.wgmma else "mma"
 
     @property
     def label(self) -> str:
         tm, tn, tk = self.tile
-        kind = f"{self.family}{self.layout_m}"
+        kind = f"{'tma' if self.tma else self.family}{self.layout_m}"
+        if self.cluster > 1:
+            kind += f"_c{self.cluster}"
         if self.consumer_regs:
             kind += f"_r{self.consumer_regs}"
         return f"{tm}x{tn}x{tk}_w{self.warps}_g{self.walk_m}_s{self.stages}_{kind}"
@@ -106,7 +112,7 @@ class GemmPlan:
             names.append(("WGMMA", int(self.wgmma)))
         names.append(("LAYOUT_M", self.layout_m))
         if self.tma:
-            names.append(("CONSUMER_REGS", self.consumer_regs))
+            names += [("CONSUMER_REGS", self.consumer_regs), ("CLUSTER", self.cluster)]
         return names
 
     def tiles(self, m: int, n: int) -> int:
@@ -114,15 +120,22 @@ class GemmPlan:
         return -(-m // tm) * -(-n // tn)
 
     def blocks(self, m: int, n: int, sms: int = 0) -> int:
-        """Thread blocks launched: one per tile, or (TMA family) at most one per SM."""
-        tiles = self.tiles(m, n)
+        """Thread blocks launched: one per tile, or (TMA family) at most one per SM.
+
+        With clusters of c CTAs the schedule's units are c vertically adjacent tiles (the last
+        unit of a column may reach below M) and the grid is whole clusters.
+        """
         if self.tma:
             if sms < 1:
                 raise ValueError(
                     f"GemmPlan.blocks(sms): the TMA family needs the SM count, got {sms}"
                 )
-            return min(tiles, sms)
-        return tiles
+            tm, tn, _ = self.tile
+            c = self.cluster
+            tiles_m = -(-m // tm)
+            units = -(-tiles_m // c) * -(-n // tn)
+            return c * min(units, sms // c)
+        return self.tiles(m, n)
 
 
 def _divisors(n: int) -> list[int]:
@@ -194,8 +207,8 @@ def plan_gemm(
         raise ValueError(f"plan_gemm(family): expected one of {FAMILIES}, got {family!r}")
     if tk % 64:
         raise ValueError(f"plan_gemm(tile): TK must be a multiple of 64 (swizzle atom), got {tk}")
-    if family == "tma":
-        return _plan_tma(tm, tn, tk, warps, walk_m, stages)
+    if family in ("tma", "tma_mc"):
+        return _plan_tma(tm, tn, tk, warps, walk_m, stages, cluster=2 if family == "tma_mc" else 1)
     threads = 32 * warps
     # gemm.cu's loader: each thread keeps one 16-byte column chunk, rows threads/chunks apart.
     chunks = tk // 8
@@ -244,7 +257,9 @@ def _stages(
     return stages
 
 
-def _plan_tma(tm: int, tn: int, tk: int, warps: int, walk_m: int, stages: int | None) -> GemmPlan:
+def _plan_tma(
+    tm: int, tn: int, tk: int, warps: int, walk_m: int, stages: int | None, cluster: int = 1
+) -> GemmPlan:
     layout = _wgmma_layout(tm, tn, warps, TMA_MAX_ACC_REGS, TMA_WGMMA_N)
     if layout is None:
         raise NotImplementedError(
@@ -287,6 +302,7 @@ def _plan_tma(tm: int, tn: int, tk: int, warps: int, walk_m: int, stages: int | 
         layout_m=layout,
         tma=True,
         consumer_regs=consumer_regs,
+        cluster=cluster,
     )
 
 
@@ -312,27 +328,28 @@ def _source() -> tuple[str, str, str, str]:
     return header, body, body_tma, hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
-def launch_bounds_header(threads: int) -> str:
-    """Header text that puts `__launch_bounds__(threads, 1)` on MLX's generated kernel.
+def launch_bounds_header(threads: int, cluster: int = 1) -> str:
+    """Header text that puts `__launch_bounds__(threads, 1)` (and, for cluster > 1,
+    `__cluster_dims__(cluster, 1, 1)`) on MLX's generated kernel.
 
     `mx.fast.cuda_kernel` writes the kernel as `__global__ void <name>(...)` right after the
-    header and takes no launch bounds, so NVRTC may give each thread more registers than a
-    block of `threads` can hold (the launch then fails: "too many resources requested").
-    Redefining `__global__` (crt/host_defines.h: `__location__(global)`) at the end of the header
-    reaches that one definition: the compiler caps registers at 65536 / threads instead.
+    header and takes neither attribute, so NVRTC may give each thread more registers than a
+    block of `threads` can hold (the launch then fails: "too many resources requested"), and
+    the kernel cannot ask for clusters. Redefining `__global__` (crt/host_defines.h:
+    `__location__(global)`) at the end of the header reaches that one definition; a kernel with
+    compile-time cluster dimensions launches as clusters through an ordinary launch.
     """
-    return (
-        "\n#undef __global__\n"
-        f"#define __global__ __location__(global) __launch_bounds__({threads}, 1)\n"
-    )
+    attrs = f"__launch_bounds__({threads}, 1)"
+    if cluster > 1:
+        attrs += f" __cluster_dims__({cluster}, 1, 1)"
+    return f"\n#undef __global__\n#define __global__ __location__(global) {attrs}\n"
 
 
 def kernel_text(plan: GemmPlan) -> tuple[str, str]:
     """(header, body) that `_kernel` hands to `mx.fast.cuda_kernel` for `plan`."""
     header, body, body_tma, _ = _source()
     if plan.tma:
-        # 288 threads (8 consumer warps + the producer) leave 224 registers per thread.
-        return header + launch_bounds_header(plan.threads), body_tma
+        return header + launch_bounds_header(plan.threads, plan.cluster), body_tma
     return header, body
 
 
@@ -421,7 +438,7 @@ def gemm_bias(
         blocks = plan.blocks(m, n, tensormap.sm_count())
         tm, tn, _ = plan.tile
         y, _ = _kernel(plan)(
-            inputs=[x, w, b, _tensor_maps(m, n, x.shape[1], tm, tn)],
+            inputs=[x, w, b, _tensor_maps(m, n, x.shape[1], tm, tn // plan.cluster)],
             # Each block publishes its two tensor maps into its 256 bytes of `scratch`
             # (+128 bytes so the kernel can align the slots).
             output_shapes=[(m, n), (256 * blocks + 128,)],
