@@ -221,7 +221,7 @@ def cuda_selector_supports(q: mx.array, pooled: mx.array) -> bool:
     _, n_heads, S, d_i = q.shape
     if pooled.dtype != q.dtype or pooled.shape[2] != d_i:
         return False
-    return selector_unsupported(q.dtype, S, n_heads, d_i) is None
+    return selector_unsupported(q.dtype, S, n_heads, d_i, pooled.shape[1]) is None
 
 
 @dataclass

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import device
+from .device import DeviceLimits
+
 _DIR = Path(__file__).resolve().parent
 _SECTION = re.compile(r"^//// kernel: *([A-Za-z0-9_]+) *$", re.M)
 
@@ -125,6 +128,7 @@ def float_bits(x: float) -> int:
 
 
 ATTN_THREADS = 256  # threads of the split-K attention CTAs (common.cuh partial_attention)
+ATTN_MAX_TOKENS = 64  # the largest token tile a launcher passes to partial_attention
 
 
 def attn_smem_bytes(d: int, g: int, tok: int, nt: int = ATTN_THREADS) -> int:
@@ -161,8 +165,11 @@ def check_attention(fn: str, q, keys, values) -> tuple[int, int, int, int]:
     return n_heads, rows, n_kv, d
 
 
-def attention_unsupported(dtype, n_heads: int, n_kv: int, d: int) -> str | None:
-    """Why the split-K attention kernels cannot take these shapes, or None if they can."""
+def attention_unsupported(
+    dtype, n_heads: int, n_kv: int, d: int, limits: DeviceLimits | None = None
+) -> str | None:
+    """Why the split-K attention kernels cannot take these shapes on this GPU (`limits`, by
+    default MLX's; unchecked without one), or None if they can."""
     if dtype != mx.bfloat16:
         return f"only bfloat16 inputs, got {dtype}"
     if d not in (64, 128, 256):
@@ -171,6 +178,11 @@ def attention_unsupported(dtype, n_heads: int, n_kv: int, d: int) -> str | None:
         return f"H ({n_heads}) must be a multiple of Hkv ({n_kv})"
     if n_heads // n_kv > 32:
         return f"at most 32 query heads per KV head, got {n_heads // n_kv}"
+    limits = device.resolve(limits)
+    if limits is not None:
+        # The widest token tile the launchers use (rows_gather: 64 tokens for 5-8 rows).
+        nbytes = attn_smem_bytes(d, n_heads // n_kv, ATTN_MAX_TOKENS)
+        return device.shared_memory_unsupported(limits, nbytes, "split-K attention")
     return None
 
 

@@ -189,12 +189,14 @@ def plan_gemm(
     *,
     stages: int | None = None,
     family: str = "auto",
+    smem_limit: int = MAX_DYNAMIC_SMEM,
 ) -> GemmPlan:
     """Choose the kernel family, warp layout and pipeline depth for one configuration.
 
-    Raises ValueError for malformed values and NotImplementedError for configurations this
-    kernel family cannot run (no warp layout, loads that do not divide over the block, or
-    shared memory above the per-block limit).
+    `smem_limit` is the GPU's opt-in shared memory per block (default: sm_90's). Raises
+    ValueError for malformed values and NotImplementedError for configurations this kernel
+    family cannot run (no warp layout, loads that do not divide over the block, or shared
+    memory above the per-block limit).
     """
     if len(tile) != 3 or any(int(v) != v or v <= 0 for v in tile):
         raise ValueError(f"plan_gemm(tile): expected three positive ints [TM, TN, TK], got {tile}")
@@ -230,14 +232,22 @@ def plan_gemm(
         tile=(tm, tn, tk),
         warps=warps,
         walk_m=walk_m,
-        stages=_stages((tm, tn, tk), stages, least=1, default_cap=MAX_STAGES, extra=0),
+        stages=_stages(
+            (tm, tn, tk), stages, least=1, default_cap=MAX_STAGES, extra=0, limit=smem_limit
+        ),
         wgmma=wg is not None,
         layout_m=wg if wg is not None else mm,
     )
 
 
 def _stages(
-    tile: tuple[int, int, int], stages: int | None, *, least: int, default_cap: int, extra: int
+    tile: tuple[int, int, int],
+    stages: int | None,
+    *,
+    least: int,
+    default_cap: int,
+    extra: int,
+    limit: int = MAX_DYNAMIC_SMEM,
 ) -> int:
     """Ring depth: `stages`, or as many stages as fit (at most `default_cap`) when None.
 
@@ -246,13 +256,13 @@ def _stages(
     """
     tm, tn, tk = tile
     stage_bytes = (tm + tn) * tk * 2
-    fit = (MAX_DYNAMIC_SMEM - SMEM_ALIGN_PAD - extra) // stage_bytes
+    fit = (limit - SMEM_ALIGN_PAD - extra) // stage_bytes
     if stages is None:
         stages = min(default_cap, fit)
     if not least <= stages <= fit:
         raise NotImplementedError(
             f"tile {list(tile)}: needs {least}..{max(fit, least)} stages of {stage_bytes} bytes "
-            f"within {MAX_DYNAMIC_SMEM} bytes of shared memory (at most {fit} fit), got {stages}"
+            f"within {limit} bytes of shared memory (at most {fit} fit), got {stages}"
         )
     return stages
 
@@ -429,13 +439,16 @@ def gemm_bias(
             "gemm_bias needs MLX with its CUDA backend (mx.cuda.is_available() is False)"
         )
     _check_inputs(x, w, b)
-    plan = plan_gemm(tile, warps, walk_m, stages=stages, family=family)
+    from mlx_qsa.kernels import device
+
+    limits = device.current()
+    family = family_for_device(family, limits)
+    smem = limits.max_shared_memory if limits is not None else MAX_DYNAMIC_SMEM
+    plan = plan_gemm(tile, warps, walk_m, stages=stages, family=family, smem_limit=smem)
     m, n = x.shape[0], w.shape[0]
     threads = plan.threads
     if plan.tma:
-        from mlx_qsa.kernels import tensormap
-
-        blocks = plan.blocks(m, n, tensormap.sm_count())
+        blocks = plan.blocks(m, n, device.sm_count())
         tm, tn, _ = plan.tile
         y, _ = _kernel(plan)(
             inputs=[x, w, b, _tensor_maps(m, n, x.shape[1], tm, tn // plan.cluster)],
@@ -462,6 +475,27 @@ def gemm_bias(
         init_value=init_value,
     )
     return y
+
+
+def family_for_device(family: str, limits) -> str:
+    """The family to plan on a GPU with `limits` (`device.DeviceLimits`; None: unchecked).
+
+    `wgmma`, `tma` and `tma_mc` are Hopper code (sm_90a): elsewhere they raise, and `auto`
+    means `mma` (mma.sync, sm_80 and newer).
+    """
+    from mlx_qsa.kernels import device
+
+    if limits is None:
+        return family
+    if (why := device.kernels_unsupported(limits)) is not None:
+        raise RuntimeError(f"gemm_bias: {why}")
+    if (why := device.hopper_unsupported(limits)) is None:
+        return family
+    if family == "auto":
+        return "mma"
+    if family in ("wgmma", "tma", "tma_mc"):
+        raise NotImplementedError(f"gemm_bias(family={family!r}): {why}; family 'mma' runs here")
+    return family
 
 
 def gemm_bias_reference(x: mx.array, w: mx.array, b: mx.array) -> mx.array:

@@ -9,27 +9,40 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import _launch
+from . import _launch, device
+from .device import DeviceLimits
 
 _NT, _STEP, _NSTAGE, _MAX_G = 128, 64, 3, 16
 
 
-_SMEM_LIMIT = 227 * 1024 - 1024  # dynamic shared memory per CTA on sm_90, less the static part
+_STATIC_SMEM = 1024  # room left for the kernel's static shared memory
 
 
 def prefill_flash_unsupported(
-    dtype, n_heads: int, n_kv: int, d: int, ratio: int, k: int = 512
+    dtype,
+    n_heads: int,
+    n_kv: int,
+    d: int,
+    ratio: int,
+    k: int = 512,
+    limits: DeviceLimits | None = None,
 ) -> str | None:
-    """Why the kernel cannot take these shapes (`k` blocks per row), or None if it can."""
-    why = _launch.attention_unsupported(dtype, n_heads, n_kv, d)
+    """Why the kernel cannot take these shapes (`k` blocks per row) on this GPU (`limits`, by
+    default MLX's, else an H100's), or None if it can."""
+    limits = device.resolve(limits) or device.HOPPER
+    why = _launch.attention_unsupported(dtype, n_heads, n_kv, d, limits)
     if why is not None:
         return why
     if n_heads // n_kv > _MAX_G:
         return f"at most {_MAX_G} query heads per KV head (one m16 tile), got {n_heads // n_kv}"
     if ratio < 1:
         return f"ratio must be >= 1, got {ratio}"
-    if smem_bytes(d, k, ratio) > _SMEM_LIMIT:
-        return f"a row's {k} x {ratio} token list does not fit in shared memory beside the stages"
+    nbytes = smem_bytes(d, k, ratio) + _STATIC_SMEM
+    if nbytes > limits.max_shared_memory:
+        return (
+            f"a row's {k} x {ratio} token list beside the K/V stages needs {nbytes} bytes of "
+            f"shared memory; {limits.arch} allows {limits.max_shared_memory}"
+        )
     return None
 
 

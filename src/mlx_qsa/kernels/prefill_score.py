@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import _launch
+from . import _launch, device
+from .device import DeviceLimits
 from .selector import _L, top_k_from_plane
 
 _TR, _TB, _GB = 64, 64, 4  # rows per CTA, blocks per tile, tiles per CTA
 
 
-def prefill_score_supports(index_q: mx.array, pooled: mx.array) -> bool:
-    """The shapes the kernel covers: bf16, 4 index heads of 128 (the `mpp` contract)."""
+SMEM_BYTES = _TR * (4 * 128 + 8) * 2 + 2 * _TB * (128 + 8) * 2  # query rows + two key tiles
+
+
+def prefill_score_supports(
+    index_q: mx.array, pooled: mx.array, limits: DeviceLimits | None = None
+) -> bool:
+    """The shapes the kernel covers: bf16, 4 index heads of 128 (the `mpp` contract), on a GPU
+    (`limits`, by default MLX's; unchecked without one) with room for its shared memory."""
+    limits = device.resolve(limits)
+    if limits is not None and limits.max_shared_memory < SMEM_BYTES:
+        return False
     return (
         index_q.ndim == 4
         and index_q.shape[0] == 1
@@ -49,7 +59,7 @@ def prefill_scores_cuda(index_q: mx.array, pooled: mx.array, pos: mx.array, *, r
         raise ValueError(f"{fn}: pooled must hold at least one block row")
     npad = -(-cap // _TB) * _TB
     n_cta = -(-C // _TR) * -(-(npad // _TB) // _GB)
-    smem = _TR * (4 * 128 + 8) * 2 + 2 * _TB * (128 + 8) * 2
+    smem = SMEM_BYTES
     kernel = _launch.build(
         "prefill_score.cu",
         "score",

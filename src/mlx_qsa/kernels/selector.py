@@ -11,7 +11,8 @@ import math
 
 import mlx.core as mx
 
-from . import _launch
+from . import _launch, device
+from .device import DeviceLimits
 
 _MODES = ("blocks", "row_tokens")
 _L = 8  # summaries kept per 32-block chunk by the score pass
@@ -115,15 +116,33 @@ def select_blocks_portable(
     return (ids, valid, scores) + _row_tokens(ids, valid, nb_raw, pos, K, ratio)
 
 
-def selector_unsupported(dtype, rows: int, n_heads: int, d_i: int) -> str | None:
-    """Why the CUDA selector cannot take these shapes, or None if it can."""
+def selector_unsupported(
+    dtype,
+    rows: int,
+    n_heads: int,
+    d_i: int,
+    n_blocks: int = 0,
+    limits: DeviceLimits | None = None,
+) -> str | None:
+    """Why the CUDA selector cannot take these shapes (`n_blocks` pooled rows) on this GPU
+    (`limits`, by default MLX's; unchecked without one), or None if it can."""
     if dtype != mx.bfloat16:
         return f"only bfloat16 inputs, got {dtype}"
     if d_i != 128:
         return f"only d_I = 128, got {d_i}"
     if n_heads > 8 or rows * n_heads > 64:
         return f"needs H_I <= 8 and S * H_I <= 64, got H_I={n_heads}, S={rows}"
+    limits = device.resolve(limits)
+    if limits is not None:
+        npad = -(-max(n_blocks, 1) // 128) * 128
+        return device.shared_memory_unsupported(limits, topk_smem_bytes(npad), "the top-k pass")
     return None
+
+
+def topk_smem_bytes(npad: int) -> int:
+    """Dynamic shared memory of the top-k kernel over `npad` padded blocks: the candidate
+    buffer and one bitmap bound per 32 blocks (one size class per bound, see top_k_from_plane)."""
+    return _CAP * 8 + 4 * max(2048, npad // 32)
 
 
 def select_blocks_cuda(
@@ -153,7 +172,7 @@ def select_blocks_cuda(
     _check(fn, index_q, pooled, pos, block_topk, ratio, mode)
     _launch.require_cuda(fn)
     S, n_heads, d_i = index_q.shape
-    why = selector_unsupported(index_q.dtype, S, n_heads, d_i)
+    why = selector_unsupported(index_q.dtype, S, n_heads, d_i, pooled.shape[1])
     if why is not None:
         raise NotImplementedError(f"{fn}: {why}")
     cap = pooled.shape[1]
@@ -200,7 +219,7 @@ def top_k_from_plane(
     rows = mode == "row_tokens"
     outputs = ("ids", "valid", "scores") + (("slots", "slot_valid") if rows else ())
     # One size class per bitmap bound, so the dynamic shared memory never changes under a name.
-    smem = _CAP * 8 + 4 * max(2048, npad // 32)
+    smem = topk_smem_bytes(npad)
     topk = _launch.build(
         "selector.cu",
         "topk",

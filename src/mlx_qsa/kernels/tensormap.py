@@ -1,4 +1,4 @@
-"""Host side of the TMA GEMM: tensor-map templates and the SM count, through the CUDA driver.
+"""Host side of the TMA GEMM: tensor-map templates, encoded through the CUDA driver.
 
 `mx.fast.cuda_kernel` passes arrays only, and an MLX array's device address is not known before
 the kernel runs, so the host encodes each operand's tensor map at a placeholder address with
@@ -9,7 +9,8 @@ and publishes it for its TMA loads (gemm.cu). The driver library is loaded on fi
 from __future__ import annotations
 
 import ctypes
-import functools
+
+from .device import check_cu, driver
 
 TENSOR_MAP_BYTES = 128
 PLACEHOLDER_ADDRESS = 1 << 20  # 16-byte aligned; replaced on the device before any load
@@ -20,24 +21,6 @@ _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _OOB_FILL_ZERO = 0
-_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
-
-
-@functools.cache
-def _driver() -> ctypes.CDLL:
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as err:
-        raise RuntimeError(
-            f"the TMA GEMM needs the CUDA driver library libcuda.so.1: {err}"
-        ) from err
-    _check(lib.cuInit(0), "cuInit")
-    return lib
-
-
-def _check(code: int, what: str) -> None:
-    if code != 0:
-        raise RuntimeError(f"{what} failed with CUresult {code}")
 
 
 def encode_bf16_rows(rows: int, cols: int, box_rows: int) -> bytes:
@@ -52,7 +35,7 @@ def encode_bf16_rows(rows: int, cols: int, box_rows: int) -> bytes:
         )
     if not 1 <= box_rows <= 256:
         raise ValueError(f"encode_bf16_rows(box_rows): expected 1..256, got {box_rows}")
-    lib = _driver()
+    lib = driver()
     buf = (ctypes.c_uint8 * (2 * TENSOR_MAP_BYTES))()
     base = ctypes.addressof(buf)
     aligned = (base + 63) & ~63  # CUtensorMap is 64-byte aligned
@@ -77,21 +60,5 @@ def encode_bf16_rows(rows: int, cols: int, box_rows: int) -> bytes:
         ctypes.c_int(_L2_PROMOTION_256B),
         ctypes.c_int(_OOB_FILL_ZERO),
     )
-    _check(code, f"cuTensorMapEncodeTiled([{rows}, {cols}] bf16, box [{box_rows}, 64])")
+    check_cu(code, f"cuTensorMapEncodeTiled([{rows}, {cols}] bf16, box [{box_rows}, 64])")
     return ctypes.string_at(aligned, TENSOR_MAP_BYTES)
-
-
-@functools.cache
-def sm_count(device: int = 0) -> int:
-    """Streaming multiprocessors of CUDA device `device` (the persistent grid's size)."""
-    lib = _driver()
-    handle = ctypes.c_int()
-    _check(lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device)), "cuDeviceGet")
-    value = ctypes.c_int()
-    _check(
-        lib.cuDeviceGetAttribute(
-            ctypes.byref(value), ctypes.c_int(_ATTRIBUTE_MULTIPROCESSOR_COUNT), handle
-        ),
-        "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
-    )
-    return value.value

@@ -1,0 +1,110 @@
+"""What the CUDA kernels need from a GPU (`kernels/device.py`) and how each launcher's rule and
+the implementation choice follow it. Pure rules with explicit limits: they run on any machine."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlx_qsa.kernels import device, impl_for
+from mlx_qsa.kernels._launch import attention_unsupported
+from mlx_qsa.kernels.device import HOPPER, DeviceLimits
+from mlx_qsa.kernels.gemm import family_for_device, plan_gemm
+from mlx_qsa.kernels.prefill_flash import prefill_flash_unsupported, smem_bytes
+from mlx_qsa.kernels.prefill_score import SMEM_BYTES, prefill_score_supports
+from mlx_qsa.kernels.selector import selector_unsupported, topk_smem_bytes
+
+A100 = DeviceLimits((8, 0), 166_912)
+L40S = DeviceLimits((8, 9), 101_376)
+T4 = DeviceLimits((7, 5), 65_536)
+B200 = DeviceLimits((10, 0), 232_448)
+
+
+def test_kernel_floor_and_hopper_rules():
+    assert device.kernels_unsupported(A100) is None and device.kernels_unsupported(B200) is None
+    assert "sm_80 or newer" in device.kernels_unsupported(
+        T4
+    ) and "sm_75" in device.kernels_unsupported(T4)
+    assert device.hopper_unsupported(HOPPER) is None
+    for other in (A100, L40S, B200):  # wgmma is sm_90a only (Blackwell has tcgen05 instead)
+        assert f"this GPU is {other.arch}" in device.hopper_unsupported(other)
+    assert device.shared_memory_unsupported(L40S, 101_376, "x") is None
+    why = device.shared_memory_unsupported(L40S, 101_377, "the thing")
+    assert why == "the thing needs 101377 bytes of shared memory per block; sm_89 allows 101376"
+
+
+def test_implementation_choice():
+    assert impl_for("auto", None) == "portable"  # not a CUDA GPU
+    assert impl_for("auto", T4) == "portable"  # below the kernels' floor
+    assert impl_for("auto", A100) == "cuda"
+    assert impl_for("auto", HOPPER) == "cuda"
+    assert impl_for("portable", HOPPER) == "portable"
+
+
+def test_prefill_flash_follows_shared_memory():
+    # The real geometry: d 256, 512 blocks of 4 tokens per row: 214 KiB of shared memory.
+    args = (mx.bfloat16, 24, 2, 256, 4, 512)
+    assert smem_bytes(256, 512, 4) == 219_408
+    assert prefill_flash_unsupported(*args, limits=HOPPER) is None
+    for small in (A100, L40S):
+        why = prefill_flash_unsupported(*args, limits=small)
+        assert "220432 bytes of shared memory" in why and f"{small.arch} allows" in why
+    # Fewer selected blocks fit an A100 (the dispatcher then keeps the kernel).
+    assert prefill_flash_unsupported(mx.bfloat16, 24, 2, 128, 4, 512, limits=A100) is None
+
+
+def test_attention_kernels_follow_shared_memory():
+    assert attention_unsupported(mx.bfloat16, 24, 2, 256, limits=L40S) is None  # 80 KiB
+    why = attention_unsupported(mx.bfloat16, 64, 2, 256, limits=L40S)  # 32 heads per KV head
+    assert "split-K attention needs 107520 bytes" in why
+    assert attention_unsupported(mx.bfloat16, 64, 2, 256, limits=HOPPER) is None
+    # The shape rules come first and do not depend on the GPU.
+    assert "bfloat16" in attention_unsupported(mx.float16, 24, 2, 256, limits=HOPPER)
+
+
+def test_selector_follows_shared_memory():
+    assert topk_smem_bytes(65_536) == 4096 * 8 + 4 * 2048
+    assert selector_unsupported(mx.bfloat16, 1, 4, 128, 65_536, limits=L40S) is None
+    why = selector_unsupported(mx.bfloat16, 1, 4, 128, 1 << 20, limits=L40S)  # 4M tokens
+    assert "the top-k pass needs 163840 bytes" in why
+    assert selector_unsupported(mx.bfloat16, 1, 4, 128, 1 << 20, limits=HOPPER) is None
+
+
+def test_prefill_score_follows_shared_memory():
+    q = mx.zeros((1, 4, 8, 128), mx.bfloat16)
+    pooled = mx.zeros((1, 64, 128), mx.bfloat16)
+    assert SMEM_BYTES == 101_376
+    assert prefill_score_supports(q, pooled, limits=L40S)
+    assert not prefill_score_supports(q, pooled, limits=DeviceLimits((8, 0), SMEM_BYTES - 1))
+    assert not prefill_score_supports(q.astype(mx.float32), pooled, limits=HOPPER)
+
+
+def test_gemm_family_per_gpu():
+    assert family_for_device("tma", None) == "tma"  # no GPU to check against
+    assert family_for_device("tma_mc", HOPPER) == "tma_mc"
+    assert family_for_device("auto", HOPPER) == "auto"
+    assert family_for_device("auto", A100) == "mma"
+    assert family_for_device("mma", B200) == "mma"
+    for family in ("wgmma", "tma", "tma_mc"):
+        with pytest.raises(
+            NotImplementedError, match=r"needs sm_90a .* this GPU is sm_80; family 'mma'"
+        ):
+            family_for_device(family, A100)
+    with pytest.raises(RuntimeError, match="sm_80 or newer"):
+        family_for_device("mma", T4)
+    # The ring depth follows the GPU's shared memory: 64 KiB stages, 3 on sm_90, 2 on sm_80.
+    assert plan_gemm((128, 128, 128), 8, family="mma").stages == 3
+    assert (
+        plan_gemm((128, 128, 128), 8, family="mma", smem_limit=A100.max_shared_memory).stages == 2
+    )
+    with pytest.raises(NotImplementedError, match="within 101376 bytes"):
+        plan_gemm((128, 128, 256), 8, family="mma", smem_limit=L40S.max_shared_memory)
+
+
+def test_current_without_cuda():
+    if mx.cuda.is_available():
+        limits = device.current()
+        assert limits.compute_capability >= (8, 0) and limits.max_shared_memory >= 101_376
+    else:
+        assert device.current() is None
+        assert device.resolve(None) is None and device.resolve(A100) is A100
