@@ -56,18 +56,27 @@ def kernel_costs() -> dict[str, float]:
 
     header = (Path(__file__).parent.parent / "src/mlx_qsa/kernels/common.cuh").read_text()
     body = "out[threadIdx.x] = inp[threadIdx.x] + 1.0f;"
-    small = mx.fast.cuda_kernel(name="ovh_small", input_names=["inp"], output_names=["out"],
-                                source=body)
-    big = mx.fast.cuda_kernel(name="ovh_big", input_names=["inp"], output_names=["out"],
-                              source=body, header=header)
-    four = mx.fast.cuda_kernel(name="ovh_four", input_names=["inp"],
-                               output_names=["out", "a", "b", "c"], source=body)
+    small = mx.fast.cuda_kernel(
+        name="ovh_small", input_names=["inp"], output_names=["out"], source=body
+    )
+    big = mx.fast.cuda_kernel(
+        name="ovh_big", input_names=["inp"], output_names=["out"], source=body, header=header
+    )
+    four = mx.fast.cuda_kernel(
+        name="ovh_four", input_names=["inp"], output_names=["out", "a", "b", "c"], source=body
+    )
     x = mx.zeros((256,), mx.float32)
     mx.eval(x)
 
     def call(k, n_out=1, **kw):
-        return k(inputs=[x], grid=(256, 1, 1), threadgroup=(256, 1, 1),
-                 output_shapes=[(256,)] * n_out, output_dtypes=[mx.float32] * n_out, **kw)[0]
+        return k(
+            inputs=[x],
+            grid=(256, 1, 1),
+            threadgroup=(256, 1, 1),
+            output_shapes=[(256,)] * n_out,
+            output_dtypes=[mx.float32] * n_out,
+            **kw,
+        )[0]
 
     return {
         "x_plus_1": time_us(lambda: x + 1),

@@ -1,6 +1,6 @@
 """One prefill selection and one `prefill_flash` call at a prefix, for Nsight Compute (issue 6).
 
-    ncu --clock-control none -k regex:qsa_ ... python3 benchmarks/ncu_prefill.py 32768
+ncu --clock-control none -k regex:qsa_ ... python3 benchmarks/ncu_prefill.py 32768
 """
 
 from __future__ import annotations

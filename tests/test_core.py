@@ -25,9 +25,7 @@ def _layer(fused: int, caps: Capabilities, seed: int = 0) -> QSAAttention:
 
 
 def _rows(rng: np.random.Generator, S: int) -> mx.array:
-    return mx.array(rng.standard_normal((1, S, SMALL.hidden_size), np.float32)).astype(
-        mx.bfloat16
-    )
+    return mx.array(rng.standard_normal((1, S, SMALL.hidden_size), np.float32)).astype(mx.bfloat16)
 
 
 @pytest.mark.parametrize("fused", [3, 4])

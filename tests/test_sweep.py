@@ -314,8 +314,10 @@ def test_tma_kernel_has_launch_bounds():
     assert last == "#define __global__ __location__(global) __launch_bounds__(384, 1)"
     assert "qsa_gemm_tma<" in body and "CONSUMER_REGS" in body
     header, _ = kernel_text(plan_gemm((128, 256, 64), 8, 8, family="tma_mc"))
-    assert header.rstrip().splitlines()[-1].endswith(
-        "__launch_bounds__(288, 1) __cluster_dims__(2, 1, 1)"
+    assert (
+        header.rstrip()
+        .splitlines()[-1]
+        .endswith("__launch_bounds__(288, 1) __cluster_dims__(2, 1, 1)")
     )
     # The cp.async families keep MLX's plain `__global__`.
     header, body = kernel_text(plan_gemm((128, 256, 64), 8, 8))

@@ -197,9 +197,7 @@ def select_rows(
         from .kernels.prefill_score import prefill_score_supports, select_prefill_cuda
 
         if prefill_score_supports(q, pooled):  # many rows: the tensor-core producer
-            return select_prefill_cuda(
-                q, pooled, positions, block_topk=k, ratio=ratio, chunk=chunk
-            )
+            return select_prefill_cuda(q, pooled, positions, block_topk=k, ratio=ratio, chunk=chunk)
     S = q.shape[2]
     nb_rows = (positions + 1) // ratio
     parts = []

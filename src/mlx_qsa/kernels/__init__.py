@@ -13,7 +13,7 @@ from .device import DeviceLimits, kernels_unsupported
 
 
 def resolve_impl(kernels: str = "auto") -> str:
-    """"cuda" when `kernels == "auto"` and MLX's default device is a CUDA GPU the kernels run
+    """ "cuda" when `kernels == "auto"` and MLX's default device is a CUDA GPU the kernels run
     on (sm_80 or newer), else "portable"."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels: expected one of {KERNEL_CHOICES}, got {kernels!r}")

@@ -114,9 +114,7 @@ def check_row_lists(fn: str, rows: int, names: tuple[str, str], lists, mask, wha
         raise ValueError(f"{fn}: {ln} must have {rows} rows (q's S), got {list(lists.shape)}")
     check_dtype(fn, ln, lists, (mx.int32,))
     if mask.shape != lists.shape:
-        raise ValueError(
-            f"{fn}: {mn} must have shape {list(lists.shape)}, got {list(mask.shape)}"
-        )
+        raise ValueError(f"{fn}: {mn} must have shape {list(lists.shape)}, got {list(mask.shape)}")
     check_dtype(fn, mn, mask, (mx.bool_,))
 
 
