@@ -619,6 +619,7 @@ def run_sweep(
                     "layout_m": plan.layout_m,
                     "threads": plan.threads,
                     "consumer_regs": plan.consumer_regs,
+                    "cluster": plan.cluster,
                     "shared_memory": plan.shared_memory,
                 }
             )
