@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import mlx.core as mx
 
+    from mlx_qsa.kernels.device import DeviceLimits
+
 SOURCE_PATH = Path(__file__).with_name("gemm.cu")
 BODY_MARKER = "//// BODY ////"
 TMA_BODY_MARKER = "//// BODY tma ////"
@@ -477,8 +479,8 @@ def gemm_bias(
     return y
 
 
-def family_for_device(family: str, limits) -> str:
-    """The family to plan on a GPU with `limits` (`device.DeviceLimits`; None: unchecked).
+def family_for_device(family: str, limits: DeviceLimits | None) -> str:
+    """The family to plan on a GPU with `limits` (None: unchecked).
 
     `wgmma`, `tma` and `tma_mc` are Hopper code (sm_90a): elsewhere they raise, and `auto`
     means `mma` (mma.sync, sm_80 and newer).
