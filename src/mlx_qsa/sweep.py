@@ -473,28 +473,22 @@ def torch_peer(
         out = F.linear(tx, tw, tb)
         sync()
         samples.append((time.perf_counter() - t0) * 1e3)
-    events = []
-    if dev == "cuda":
-        for _ in range(repeats):
-            start = torch.cuda.Event(enable_timing=True)
-            stop = torch.cuda.Event(enable_timing=True)
-            start.record()
+
+    def event_ms(calls: int) -> float:
+        """CUDA-event time of `calls` back-to-back calls, per call."""
+        nonlocal out
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
             out = F.linear(tx, tw, tb)
-            stop.record()
-            torch.cuda.synchronize()
-            events.append(float(start.elapsed_time(stop)))
+        stop.record()
+        torch.cuda.synchronize()
+        return float(start.elapsed_time(stop)) / calls
+
     per_round, rounds = steady
-    steady_ms = []
-    if dev == "cuda" and per_round:
-        for _ in range(rounds):
-            start = torch.cuda.Event(enable_timing=True)
-            stop = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(per_round):
-                out = F.linear(tx, tw, tb)
-            stop.record()
-            torch.cuda.synchronize()
-            steady_ms.append(float(start.elapsed_time(stop)) / per_round)
+    events = [event_ms(1) for _ in range(repeats)] if dev == "cuda" else []
+    steady_ms = [event_ms(per_round) for _ in range(rounds)] if dev == "cuda" and per_round else []
     max_abs, rmse, equal = agreement(reference, out.float().cpu().numpy())
     peer: dict[str, Any] = {
         "peer": "torch.nn.functional.linear",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..config import KERNEL_CHOICES
-from .device import DeviceLimits, kernels_unsupported
+from .device import DeviceLimits, current, kernels_unsupported
 
 
 def resolve_impl(kernels: str = "auto") -> str:
@@ -21,8 +21,6 @@ def resolve_impl(kernels: str = "auto") -> str:
         return "portable"
     if mx.default_device().type != mx.DeviceType.gpu or not mx.cuda.is_available():
         return "portable"
-    from .device import current
-
     return impl_for(kernels, current())
 
 

@@ -584,19 +584,33 @@ __device__ __forceinline__ void qsa_mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
-// Spins until the phase of parity `parity` of the barrier has completed.
+// Spins until the phase of parity `parity` of the barrier has completed; CLUSTER_SCOPE acquires
+// at cluster scope (for barriers the other CTA of a cluster also arrives on).
+template <bool CLUSTER_SCOPE = false>
 __device__ __forceinline__ void qsa_mbar_wait(unsigned bar, unsigned parity) {
   unsigned done;
   do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
+    if constexpr (CLUSTER_SCOPE) {
+      asm volatile(
+          "{\n"
+          ".reg .pred p;\n"
+          "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+          "selp.u32 %0, 1, 0, p;\n"
+          "}\n"
+          : "=r"(done)
+          : "r"(bar), "r"(parity)
+          : "memory");
+    } else {
+      asm volatile(
+          "{\n"
+          ".reg .pred p;\n"
+          "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+          "selp.u32 %0, 1, 0, p;\n"
+          "}\n"
+          : "=r"(done)
+          : "r"(bar), "r"(parity)
+          : "memory");
+    }
   } while (!done);
 }
 
@@ -629,22 +643,6 @@ __device__ __forceinline__ void qsa_mbar_arrive_remote(unsigned bar, unsigned ct
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
                : "memory");
-}
-
-// As qsa_mbar_wait, acquiring at cluster scope (arrivals come from the other CTA too).
-__device__ __forceinline__ void qsa_mbar_wait_cluster(unsigned bar, unsigned parity) {
-  unsigned done;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
 }
 
 // Every thread of every CTA of the cluster.
@@ -688,7 +686,7 @@ __device__ __forceinline__ void qsa_tmap_publish(const unsigned long long* tmpl,
 // the consumers of both CTAs have released it (each consumer warp arrives on both CTAs' empty
 // barriers), and neither CTA exits while the other may still arrive on its barriers.
 template <int TM, int TN, int TK, int WARPS, int WALK_M, int STAGES, int LAYOUT_M,
-          int CONSUMER_REGS, int CLUSTER>
+          int PRODUCER_REGS, int CONSUMER_REGS, int CLUSTER>
 __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_bfloat16* w,
                                              const __nv_bfloat16* b,
                                              const unsigned long long* tmaps, __nv_bfloat16* y,
@@ -765,7 +763,6 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
     __syncthreads();
   }
 
-  constexpr int PRODUCER_REGS = 40;
   if (warp >= WARPS) {
     if constexpr (CONSUMER_REGS > 0) {
       qsa_setmaxnreg_dec<PRODUCER_REGS>();
@@ -780,11 +777,7 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
         coords(t, m0, n0);
         for (int kt = 0; kt < KT; ++kt) {
           // A fresh barrier counts as having completed the phase before its first.
-          if constexpr (CLUSTER == 2) {
-            qsa_mbar_wait_cluster(empty0 + 8u * s, phase ^ 1u);
-          } else {
-            qsa_mbar_wait(empty0 + 8u * s, phase ^ 1u);
-          }
+          qsa_mbar_wait<CLUSTER == 2>(empty0 + 8u * s, phase ^ 1u);
           const unsigned full = full0 + 8u * s;
           // Own x tile plus the whole W tile (with CLUSTER = 2, half of it from the other CTA).
           qsa_mbar_expect_tx(full, STAGE_BYTES);
@@ -887,6 +880,7 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   qsa_gemm<TM, TN, TK, WARPS, WALK_M, STAGES, WGMMA, LAYOUT_M>(x, w, b, y, x_shape[0], w_shape[0],
                                                               x_shape[1]);
 //// BODY tma ////
-  qsa_gemm_tma<TM, TN, TK, WARPS, WALK_M, STAGES, LAYOUT_M, CONSUMER_REGS, CLUSTER>(
+  qsa_gemm_tma<TM, TN, TK, WARPS, WALK_M, STAGES, LAYOUT_M, PRODUCER_REGS, CONSUMER_REGS,
+               CLUSTER>(
       x, w, b, reinterpret_cast<const unsigned long long*>(tmaps), y,
       reinterpret_cast<unsigned char*>(scratch), x_shape[0], w_shape[0], x_shape[1]);

@@ -43,7 +43,7 @@ MAX_ACC_REGS = 128  # fp32 accumulators per thread
 # two 192x96 warpgroups has 144) get a producer warpgroup that hands its registers to the
 # consumers with setmaxnreg.
 TMA_MAX_ACC_REGS = 144
-PRODUCER_REGS = 40  # gemm.cu: the producer warpgroup's registers after setmaxnreg.dec
+PRODUCER_REGS = 40  # the producer warpgroup's registers after setmaxnreg.dec (a template value)
 SUBPARTITION_REGS = 16384
 # Addresses, loop state and epilogue temporaries beside the accumulators (NVRTC 13 put the
 # 128-accumulator 128x256x64 kernel at 166 registers: benchmarks/gemm_registers.py).
@@ -114,7 +114,11 @@ class GemmPlan:
             names.append(("WGMMA", int(self.wgmma)))
         names.append(("LAYOUT_M", self.layout_m))
         if self.tma:
-            names += [("CONSUMER_REGS", self.consumer_regs), ("CLUSTER", self.cluster)]
+            names += [
+                ("PRODUCER_REGS", PRODUCER_REGS),
+                ("CONSUMER_REGS", self.consumer_regs),
+                ("CLUSTER", self.cluster),
+            ]
         return names
 
     def tiles(self, m: int, n: int) -> int:
@@ -330,14 +334,14 @@ def tile_coords(pid: int, tiles_m: int, tiles_n: int, walk_m: int) -> tuple[int,
 
 
 @functools.cache
-def _source() -> tuple[str, str, str, str]:
-    """(header, cp.async body, tma body, digest) of gemm.cu, read once."""
+def _source() -> tuple[str, str, str]:
+    """(header, cp.async body, tma body) of gemm.cu, read once."""
     text = SOURCE_PATH.read_text()
     header, sep, bodies = text.partition(BODY_MARKER + "\n")
     body, sep2, body_tma = bodies.partition(TMA_BODY_MARKER + "\n")
     if not sep or not sep2:
         raise RuntimeError(f"{SOURCE_PATH}: missing {BODY_MARKER!r} or {TMA_BODY_MARKER!r}")
-    return header, body, body_tma, hashlib.sha1(text.encode()).hexdigest()[:10]
+    return header, body, body_tma
 
 
 def launch_bounds_header(threads: int, cluster: int = 1) -> str:
@@ -359,7 +363,7 @@ def launch_bounds_header(threads: int, cluster: int = 1) -> str:
 
 def kernel_text(plan: GemmPlan) -> tuple[str, str]:
     """(header, body) that `_kernel` hands to `mx.fast.cuda_kernel` for `plan`."""
-    header, body, body_tma, _ = _source()
+    header, body, body_tma = _source()
     if plan.tma:
         return header + launch_bounds_header(plan.threads, plan.cluster), body_tma
     return header, body
