@@ -6,6 +6,7 @@
 # MLX's PTX cache (carry it as .ptxcache/ptx-cache.tar.gz to skip NVRTC compiles next time; on
 # 2026-12-03 the cache directory stayed empty, so expect NVRTC compiles, about 1.5 s each).
 # SWEEP_SKIP_TESTS=1 skips the tests (when they already passed on this source in an earlier call);
+# SWEEP_SKIP_EXTRA=1 skips the cp.async larger-tile sweep of attn.qkv_proj;
 # SWEEP_SKIP_GRID=1 skips the default-grid sweep (the cp.async families on the fixture's grid).
 # SWEEP_STEADY (default 20x7) is the --steady argument of the larger-tile sweeps: per-call
 # throughput of back-to-back calls beside the schema's one-call samples.
@@ -43,10 +44,12 @@ py() { python3 "$@"; }
   echo "sweep rc=$?"
   fi
 
+  if [ -z "${SWEEP_SKIP_EXTRA:-}" ]; then
   echo "== sweep attn.qkv_proj, extra tiles"
   timeout 80 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
     --tiles "$EXTRA_TILES" --walk-m 8,16 --steady "$STEADY" --out "$OUT/qkv_tile_sweep_h200_extra.json"
   echo "sweep rc=$?"
+  fi
 
   echo "== sweep attn.qkv_proj, family tma (TMA producer warp, persistent grid)"
   timeout 80 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
