@@ -520,3 +520,50 @@ def test_call_forms_read_in_place(rows):
         assert mx.array_equal(got, ref).item()
     with pytest.raises(ValueError, match="exactly one of T and pos"):
         flash_decode_cuda(q4, kv_k, kv_v, ids, valid, scale=0.0625)
+
+
+@needs_cuda
+@pytest.mark.parametrize("T", [37, 2052, 32771, 131072])
+def test_flash_one_launch_matches_two_launches(T):
+    """The in-launch merge (last CTAs, counter hand-off) gives the separate merge kernel's bits,
+    launch after launch (the counter is left zeroed), also for many launches in one graph."""
+    rng = np.random.default_rng([43, T])
+    q, keys, values, km, vm = real_attention_inputs(rng, T)
+    nb = T // 4
+    ids, valid = block_list(rng, 512, max(nb, 1), min(512, nb))
+    args = (bf16(q[None, :, None]), km, vm, mx.array(ids), mx.array(valid))
+    Tm = mx.array([T], dtype=mx.int32)
+    poison(((24, 65, 256), None), ((1, 24, 1, 256), None))
+    two = flash_decode_cuda(*args, Tm, scale=1 / 16, one_launch=False)
+    for _ in range(3):
+        one = flash_decode_cuda(*args, Tm, scale=1 / 16)
+        np.testing.assert_array_equal(to_np(one), to_np(two))
+    # independent launches in one evaluation (MLX may run them as concurrent graph nodes)
+    qs = [bf16(rng.standard_normal((1, 24, 1, 256), dtype=F32)) for _ in range(6)]
+    outs = [flash_decode_cuda(qi, *args[1:], Tm, scale=1 / 16) for qi in qs]
+    refs = [flash_decode_cuda(qi, *args[1:], Tm, scale=1 / 16, one_launch=False) for qi in qs]
+    mx.eval(outs, refs)
+    for o, r in zip(outs, refs, strict=True):
+        np.testing.assert_array_equal(to_np(o), to_np(r))
+    from mlx_qsa.kernels import _launch
+
+    assert not np.array(_launch._counters["pool"]).any()  # every slot left zeroed
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [2, 5, 8])
+def test_rows_gather_one_launch_matches_two_launches(rows):
+    rng = np.random.default_rng([47, rows])
+    T = 20000
+    _, _, _, km, vm = real_attention_inputs(rng, T)
+    qs = bf16(rng.standard_normal((1, 24, rows, 256), dtype=F32))
+    W = 512 * 4 + 4
+    slots = rng.integers(0, T, (rows, W)).astype(np.int32)
+    svalid = rng.random((rows, W)) < 0.9
+    svalid[-1] = False  # a row with no token gives 0 in both forms
+    sl, sv = mx.array(slots), mx.array(svalid)
+    two = rows_gather_cuda(qs, km, vm, sl, sv, scale=1 / 16, one_launch=False)
+    for _ in range(3):
+        one = rows_gather_cuda(qs, km, vm, sl, sv, scale=1 / 16)
+        np.testing.assert_array_equal(to_np(one), to_np(two))
+    assert not to_np(two)[0, :, -1].any()

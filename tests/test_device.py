@@ -108,3 +108,33 @@ def test_current_without_cuda():
     else:
         assert device.current() is None
         assert device.resolve(None) is None and device.resolve(A100) is A100
+
+
+def test_dynamic_smem_request_opts_in_near_the_default_limit():
+    # small, and already past MLX's opt-in threshold: asked as needed
+    assert device.dynamic_smem_request(0) == 0
+    assert device.dynamic_smem_request(40_000) == 40_000
+    assert device.dynamic_smem_request(82_000) == 82_000
+    # dynamic + static past 48 KiB while dynamic <= 48000: MLX would not opt in, so ask above it
+    for nbytes in (47_200, 48_000):
+        got = device.dynamic_smem_request(nbytes)
+        assert got > device.MLX_OPT_IN_ABOVE and got >= nbytes
+    # the top-k pass at ~460K tokens (npad 114,720 blocks) is within the guarded band
+    top = topk_smem_bytes(114_720)
+    assert 49_152 - 2_048 < top <= 48_000
+    assert device.dynamic_smem_request(top) > 48_000
+
+
+def test_counter_slots_rotate():
+    from mlx_qsa.kernels import _launch
+
+    a, b = _launch.counter_slot(), _launch.counter_slot()
+    assert a.shape == (2,) and a.dtype == mx.int32 and not a.any().item()
+    pool = _launch._counters["pool"]
+    assert pool.shape == (2 * _launch._COUNTER_SLOTS,)
+    starts = {(_launch._counters["next"] - 1) % _launch._COUNTER_SLOTS}
+    for _ in range(_launch._COUNTER_SLOTS - 1):
+        _launch.counter_slot()
+        starts.add((_launch._counters["next"] - 1) % _launch._COUNTER_SLOTS)
+    assert len(starts) == _launch._COUNTER_SLOTS  # every slot used once before any repeats
+    del b

@@ -76,6 +76,7 @@ def build(
     ``prefix`` (e.g. ``#define`` lines) goes in front of the body; template values are passed at
     call time (MLX compiles, and names, one module per distinct set).
     """
+    shared_memory = device.dynamic_smem_request(shared_memory)
     source = prefix + kernel_sections(filename)[section]
     header = common_header()
     name = kernel_name(f"{section}_{_digest(header, source)}", key + (shared_memory,))
@@ -88,6 +89,88 @@ def build(
         ensure_row_contiguous=ensure_row_contiguous,
         shared_memory=shared_memory,
     )
+
+
+_COUNTER_SLOTS = 1024
+_counters: dict = {"pool": None, "next": 0}
+
+
+def counter_slot() -> mx.array:
+    """Two zeroed int32 of a persistent pool, for one launch of a kernel that hands off between
+    its CTAs (``qsa::merge_when_done``); the kernel leaves them zeroed again.
+
+    A view of the pool, not a fresh ``mx.zeros`` (a fill is one more primitive and GPU node per
+    step). Slots rotate, so launches MLX may run concurrently (no data dependency between them,
+    in one CUDA graph) get distinct counters unless over ``_COUNTER_SLOTS`` are in flight.
+    """
+    pool = _counters["pool"]
+    if pool is None:
+        pool = mx.zeros((2 * _COUNTER_SLOTS,), dtype=mx.int32)
+        mx.eval(pool)
+        _counters["pool"] = pool
+    i = _counters["next"]
+    _counters["next"] = (i + 1) % _COUNTER_SLOTS
+    return pool[2 * i : 2 * i + 2]
+
+
+def split_k(
+    filename: str,
+    inputs: tuple[str, ...],
+    arrays: list,
+    template: list,
+    *,
+    n_cta: int,
+    rows: int,
+    out_shape: tuple[int, ...],
+    nsplit: int,
+    shared_memory: int,
+    out_dtype,
+    one_launch: bool,
+) -> mx.array:
+    """Runs the ``partial`` section of a split-K attention file over ``n_cta`` CTAs of
+    ``ATTN_THREADS`` and merges its ``rows`` x ``nsplit`` partials into ``out_shape``: in the
+    same launch (``one_launch``: ``QSA_FUSED``, a counter slot as the last input) or with the
+    file's ``merge`` kernel."""
+    d = out_shape[-1]
+    part_shapes = [(rows, nsplit, d), (rows, nsplit, 2)]
+    f32 = [mx.float32, mx.float32]
+    grid = (n_cta * ATTN_THREADS, 1, 1)
+    if one_launch:
+        fused = build(
+            filename,
+            "partial",
+            inputs + ("ctr",),
+            ("part_o", "part_ml", "out"),
+            ("fused",),
+            shared_memory=shared_memory,
+            prefix="#define QSA_FUSED\n",
+        )
+        return fused(
+            inputs=arrays + [counter_slot()],
+            template=template,
+            grid=grid,
+            threadgroup=(ATTN_THREADS, 1, 1),
+            output_shapes=part_shapes + [out_shape],
+            output_dtypes=f32 + [out_dtype],
+        )[2]
+    partial = build(filename, "partial", inputs, ("part_o", "part_ml"), (), shared_memory)
+    part_o, part_ml = partial(
+        inputs=arrays,
+        template=template,
+        grid=grid,
+        threadgroup=(ATTN_THREADS, 1, 1),
+        output_shapes=part_shapes,
+        output_dtypes=f32,
+    )
+    merge = build(filename, "merge", ("part_o", "part_ml"), ("out",), ())
+    return merge(
+        inputs=[part_o, part_ml],
+        template=[("D", d), ("NSPLIT", nsplit)],
+        grid=(rows * d, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[out_shape],
+        output_dtypes=[out_dtype],
+    )[0]
 
 
 def require_cuda(fn: str) -> None:

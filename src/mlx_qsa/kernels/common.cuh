@@ -307,24 +307,67 @@ __device__ void partial_attention(
 
 // Log-sum-exp merge of NSPLIT partials of one (head, row): thread d of D.
 // o: [NSPLIT, D] partial outputs, ml: [NSPLIT, 2]; writes bf16 out[d]. No token at all -> 0.
-template <int D, int NSPLIT>
+// CG: read the partials through L2 only (__ldcg), for a merge inside the kernel that wrote them.
+template <int D, int NSPLIT, bool CG = false>
 __device__ void merge_splits(const float* o, const float* ml, int d, __nv_bfloat16* out) {
+  auto ld = [](const float* p) { return CG ? __ldcg(p) : *p; };
   float M = neg_inf();
 #pragma unroll 16
-  for (int s = 0; s < NSPLIT; ++s) M = fmaxf(M, ml[2 * s]);  // independent loads in flight
+  for (int s = 0; s < NSPLIT; ++s) M = fmaxf(M, ld(ml + 2 * s));  // independent loads in flight
   float res = 0.f;
   if (M != neg_inf()) {
     float L = 0.f, acc = 0.f;
 #pragma unroll 16
     for (int s = 0; s < NSPLIT; ++s) {
-      float m = ml[2 * s];
+      float m = ld(ml + 2 * s);
       float w = (m == neg_inf()) ? 0.f : expf(m - M);
-      L = fmaf(w, ml[2 * s + 1], L);
-      acc = fmaf(w, o[(long long)s * D + d], acc);
+      L = fmaf(w, ld(ml + 2 * s + 1), L);
+      acc = fmaf(w, ld(o + (long long)s * D + d), acc);
     }
     res = acc / L;
   }
   out[d] = __float2bfloat16(res);
+}
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The hand-off of a one-launch split-K kernel: every CTA calls it after writing its partials.
+// ctr: two ints of a persistent zeroed pool (_launch.counter_slot), left zeroed again on exit.
+// Each CTA takes a ticket; the last M to arrive (M = CTAs needed for one output element per
+// thread, at most 64) wait until all n_cta have arrived and merge R = H * S rows of D in the split order
+// (bits equal to the separate merge kernel's). The last merger to finish resets the counter,
+// so the next launch on the stream finds it zeroed. Spinning is safe: a CTA waits only for
+// CTAs that took earlier tickets or have yet to finish, and at most 64 wait (fewer than the SMs).
+template <int D, int NSPLIT, int NT>
+__device__ void merge_when_done(int* ctr, int n_cta, int R, const float* part_o,
+                                const float* part_ml, __nv_bfloat16* out) {
+  __shared__ int ticket_s;
+  __threadfence();  // this thread's partials visible device-wide before the ticket
+  __syncthreads();
+  if (threadIdx.x == 0) ticket_s = atomicAdd(ctr, 1);
+  __syncthreads();
+  const int total = R * D;
+  const int M = min(min(n_cta, (total + NT - 1) / NT), 64);
+  const int mi = ticket_s - (n_cta - M);
+  if (mi < 0) return;
+  if (threadIdx.x == 0) {
+    while (ld_acquire(ctr) < n_cta) __nanosleep(64);
+  }
+  __syncthreads();
+  for (int e = mi * NT + threadIdx.x; e < total; e += M * NT) {
+    const int rh = e / D, d = e - (e / D) * D;
+    merge_splits<D, NSPLIT, true>(part_o + (long long)rh * NSPLIT * D,
+                                  part_ml + (long long)rh * NSPLIT * 2, d, out + (long long)rh * D);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(ctr + 1, 1) == M - 1) {  // every merger is past its wait
+    ctr[0] = 0;
+    ctr[1] = 0;
+  }
 }
 
 // Compare-exchange putting the larger key first.

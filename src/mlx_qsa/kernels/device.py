@@ -72,6 +72,20 @@ def shared_memory_unsupported(limits: DeviceLimits, nbytes: int, what: str) -> s
     return None
 
 
+MLX_OPT_IN_ABOVE = 48000  # MLX raises a kernel's dynamic shared memory limit only above this
+DEFAULT_BLOCK_SMEM = 49152  # static + dynamic shared memory a block gets without that opt-in
+STATIC_SMEM_BOUND = 2048  # the most static shared memory a kernel of ours declares
+
+
+def dynamic_smem_request(nbytes: int) -> int:
+    """The dynamic shared memory to ask MLX for when a kernel needs `nbytes`: `nbytes`, or just
+    over MLX's opt-in threshold when `nbytes` plus the kernel's static shared memory would pass
+    the 48 KiB default while `nbytes` alone stays under the threshold (the launch would fail)."""
+    if nbytes <= MLX_OPT_IN_ABOVE and nbytes + STATIC_SMEM_BOUND > DEFAULT_BLOCK_SMEM:
+        return MLX_OPT_IN_ABOVE + 16
+    return nbytes
+
+
 def resolve(limits: DeviceLimits | None) -> DeviceLimits | None:
     """`limits` when given, else this GPU's (None without MLX's CUDA backend)."""
     return limits if limits is not None else current()

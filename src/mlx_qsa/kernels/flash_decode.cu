@@ -39,6 +39,10 @@ qsa::partial_attention<D, G, TOK, NT>(
     part_o + ((long long)h0 * NSPLIT + s) * D, (long long)NSPLIT * D,
     part_ml + ((long long)h0 * NSPLIT + s) * 2, (long long)NSPLIT * 2,
     qsa_dyn_smem);
+#ifdef QSA_FUSED  // one launch: the last CTAs merge (ctr [2] int32, out [1, H, 1, D] bf16)
+qsa::merge_when_done<D, NSPLIT, NT>(const_cast<int*>(ctr), gridDim.x, G * gridDim.x / NSPLIT,
+                                    part_o, part_ml, out);
+#endif
 
 //// kernel: merge
 // Split-K merge: part_o [R, NSPLIT, D], part_ml [R, NSPLIT, 2] -> out [R, D] bf16 (R = H * S,

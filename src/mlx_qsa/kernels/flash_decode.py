@@ -92,13 +92,16 @@ def flash_decode_cuda(
     scale: float,
     ratio: int = 4,
     pos: mx.array | None = None,
+    one_launch: bool = True,
 ) -> mx.array:
-    """Split-K flash decode on CUDA (two kernels); see :func:`flash_decode_portable`.
+    """Split-K flash decode on CUDA; see :func:`flash_decode_portable`.
 
     The list [selected blocks..., tail] is cut into ``32 / ratio`` entries per CTA, one CTA per
-    (KV head, split) for all its query heads, float32 online softmax; a second kernel merges
-    the splits by log-sum-exp in a fixed order (deterministic). The context is ``T`` (int32
-    [1]) or, with no array made for it, ``pos`` (int32 [1], the row's position, T - 1);
+    (KV head, split) for all its query heads, float32 online softmax; the splits are merged by
+    log-sum-exp in a fixed order (deterministic): by the last CTAs of the same launch
+    (``one_launch``, one MLX primitive fewer) or by a second kernel, with the same bits. The
+    context is ``T`` (int32 [1]) or, with no array made for it, ``pos`` (int32 [1], the row's
+    position, T - 1).
     ``block_ids`` / ``block_valid`` may be ``[K]`` or a selection's ``[1, K]`` (read in place).
     """
     fn = "flash_decode_cuda"
@@ -118,38 +121,27 @@ def flash_decode_cuda(
     g = n_heads // n_kv
     nsplit = -(-(K + 1) // (_TOK // ratio))
     nt = _launch.ATTN_THREADS
-    partial = _launch.build(
+    template = [
+        ("D", d),
+        ("G", g),
+        ("TOK", _TOK),
+        ("RATIO", ratio),
+        ("K", K),
+        ("NSPLIT", nsplit),
+        ("SCALE_BITS", _launch.float_bits(scale)),
+        ("NT", nt),
+        ("TOFF", 0 if T is not None else 1),
+    ]
+    return _launch.split_k(
         "flash_decode.cu",
-        "partial",
         ("q", "keys", "values", "block_ids", "block_valid", "tlen"),
-        ("part_o", "part_ml"),
-        (),
+        [q, keys, values, block_ids, block_valid, tlen],
+        template,
+        n_cta=n_kv * nsplit,
+        rows=n_heads,
+        out_shape=(1, n_heads, 1, d),
+        nsplit=nsplit,
         shared_memory=_launch.attn_smem_bytes(d, g, _TOK, nt),
+        out_dtype=q.dtype,
+        one_launch=one_launch,
     )
-    part_o, part_ml = partial(
-        inputs=[q, keys, values, block_ids, block_valid, tlen],
-        template=[
-            ("D", d),
-            ("G", g),
-            ("TOK", _TOK),
-            ("RATIO", ratio),
-            ("K", K),
-            ("NSPLIT", nsplit),
-            ("SCALE_BITS", _launch.float_bits(scale)),
-            ("NT", nt),
-            ("TOFF", 0 if T is not None else 1),
-        ],
-        grid=(n_kv * nsplit * nt, 1, 1),
-        threadgroup=(nt, 1, 1),
-        output_shapes=[(n_heads, nsplit, d), (n_heads, nsplit, 2)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    merge = _launch.build("flash_decode.cu", "merge", ("part_o", "part_ml"), ("out",), ())
-    return merge(
-        inputs=[part_o, part_ml],
-        template=[("D", d), ("NSPLIT", nsplit)],
-        grid=(n_heads * d, 1, 1),
-        threadgroup=(64, 1, 1),
-        output_shapes=[(1, n_heads, 1, d)],
-        output_dtypes=[q.dtype],
-    )[0]

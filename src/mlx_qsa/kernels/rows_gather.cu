@@ -32,6 +32,10 @@ qsa::partial_attention<D, G, TOK, NT>(
     part_o + (((long long)h0 * S + row) * NSPLIT + s) * D, (long long)S * NSPLIT * D,
     part_ml + (((long long)h0 * S + row) * NSPLIT + s) * 2, (long long)S * NSPLIT * 2,
     qsa_dyn_smem);
+#ifdef QSA_FUSED  // one launch: the last CTAs merge (ctr [2] int32, out [1, H, S, D] bf16)
+qsa::merge_when_done<D, NSPLIT, NT>(const_cast<int*>(ctr), gridDim.x, G * HKV * S,
+                                    part_o, part_ml, out);
+#endif
 
 //// kernel: merge
 // Split-K merge, as in flash_decode.cu: part_o [R, NSPLIT, D], part_ml [R, NSPLIT, 2]

@@ -61,11 +61,13 @@ def rows_gather_cuda(
     slot_valid: mx.array,
     *,
     scale: float,
+    one_launch: bool = True,
 ) -> mx.array:
-    """Split-K rows-gather attention on CUDA (two kernels); see :func:`rows_gather_portable`.
+    """Split-K rows-gather attention on CUDA; see :func:`rows_gather_portable`.
 
     One CTA per (row, KV head, 32 or 64 slots) for all query heads of the KV head, float32
-    online softmax, then a fixed-order log-sum-exp merge of the splits.
+    online softmax, then a fixed-order log-sum-exp merge of the splits (in the same launch
+    with ``one_launch``, else by a second kernel; the same bits).
     """
     fn = "rows_gather_cuda"
     n_heads, rows, n_kv, d = _check(fn, q, keys, values, slots, slot_valid)
@@ -76,37 +78,26 @@ def rows_gather_cuda(
     tok = 32 if rows <= 4 else 64
     nsplit = -(-width // tok)
     nt = _launch.ATTN_THREADS
-    partial = _launch.build(
+    template = [
+        ("D", d),
+        ("G", g),
+        ("TOK", tok),
+        ("HKV", n_kv),
+        ("W", width),
+        ("NSPLIT", nsplit),
+        ("SCALE_BITS", _launch.float_bits(scale)),
+        ("NT", nt),
+    ]
+    return _launch.split_k(
         "rows_gather.cu",
-        "partial",
         ("q", "keys", "values", "slots", "slot_valid"),
-        ("part_o", "part_ml"),
-        (),
+        [q, keys, values, slots, slot_valid],
+        template,
+        n_cta=rows * n_kv * nsplit,
+        rows=n_heads * rows,
+        out_shape=(1, n_heads, rows, d),
+        nsplit=nsplit,
         shared_memory=_launch.attn_smem_bytes(d, g, tok, nt),
+        out_dtype=q.dtype,
+        one_launch=one_launch,
     )
-    part_o, part_ml = partial(
-        inputs=[q, keys, values, slots, slot_valid],
-        template=[
-            ("D", d),
-            ("G", g),
-            ("TOK", tok),
-            ("HKV", n_kv),
-            ("W", width),
-            ("NSPLIT", nsplit),
-            ("SCALE_BITS", _launch.float_bits(scale)),
-            ("NT", nt),
-        ],
-        grid=(rows * n_kv * nsplit * nt, 1, 1),
-        threadgroup=(nt, 1, 1),
-        output_shapes=[(n_heads * rows, nsplit, d), (n_heads * rows, nsplit, 2)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    merge = _launch.build("rows_gather.cu", "merge", ("part_o", "part_ml"), ("out",), ())
-    return merge(
-        inputs=[part_o, part_ml],
-        template=[("D", d), ("NSPLIT", nsplit)],
-        grid=(n_heads * rows * d, 1, 1),
-        threadgroup=(64, 1, 1),
-        output_shapes=[(1, n_heads, rows, d)],
-        output_dtypes=[q.dtype],
-    )[0]
