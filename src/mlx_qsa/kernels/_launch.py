@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -89,6 +90,12 @@ def build(
         ensure_row_contiguous=ensure_row_contiguous,
         shared_memory=shared_memory,
     )
+
+
+def one_launch_default() -> bool:
+    """Whether split-K attention merges in its own launch unless told (``MLX_QSA_ONE_LAUNCH=0``
+    keeps the separate merge kernel: same bits, for side-by-side timing)."""
+    return os.environ.get("MLX_QSA_ONE_LAUNCH", "1") != "0"
 
 
 _COUNTER_SLOTS = 1024

@@ -92,7 +92,7 @@ def flash_decode_cuda(
     scale: float,
     ratio: int = 4,
     pos: mx.array | None = None,
-    one_launch: bool = True,
+    one_launch: bool | None = None,
 ) -> mx.array:
     """Split-K flash decode on CUDA; see :func:`flash_decode_portable`.
 
@@ -143,5 +143,5 @@ def flash_decode_cuda(
         nsplit=nsplit,
         shared_memory=_launch.attn_smem_bytes(d, g, _TOK, nt),
         out_dtype=q.dtype,
-        one_launch=one_launch,
+        one_launch=_launch.one_launch_default() if one_launch is None else one_launch,
     )

@@ -61,7 +61,7 @@ def rows_gather_cuda(
     slot_valid: mx.array,
     *,
     scale: float,
-    one_launch: bool = True,
+    one_launch: bool | None = None,
 ) -> mx.array:
     """Split-K rows-gather attention on CUDA; see :func:`rows_gather_portable`.
 
@@ -99,5 +99,5 @@ def rows_gather_cuda(
         nsplit=nsplit,
         shared_memory=_launch.attn_smem_bytes(d, g, tok, nt),
         out_dtype=q.dtype,
-        one_launch=one_launch,
+        one_launch=_launch.one_launch_default() if one_launch is None else one_launch,
     )
