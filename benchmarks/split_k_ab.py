@@ -38,6 +38,44 @@ def timed(fn, iters: int, sync_each: bool) -> float:
     return statistics.median(samples)
 
 
+def point(T: int, rng, iters: int) -> list[dict]:
+    cap = -(-T // 256) * 256
+    sets = []
+    for _ in range(4):  # rotated caches: 4 x 2 x cap x 256 x 2 bytes x 2
+        k = mx.random.normal((1, 2, cap, 256)).astype(mx.bfloat16)
+        v = mx.random.normal((1, 2, cap, 256)).astype(mx.bfloat16)
+        sets.append((k, v))
+    ids = mx.array(np.sort(rng.choice(T // 4, 512, replace=False)).astype(np.int32))
+    ok = mx.ones((512,), dtype=mx.bool_)
+    Tm = mx.array([T], dtype=mx.int32)
+    q1 = mx.random.normal((1, 24, 1, 256)).astype(mx.bfloat16)
+    q8 = mx.random.normal((1, 24, 8, 256)).astype(mx.bfloat16)
+    slots = mx.array(rng.integers(0, T, (8, 2052)).astype(np.int32))
+    sv = mx.ones((8, 2052), dtype=mx.bool_)
+    mx.eval(sets, ids, q1, q8, slots)
+
+    def flash(one):
+        return lambda i: flash_decode_cuda(
+            q1, *sets[i % 4], ids, ok, Tm, scale=1 / 16, one_launch=one
+        )
+
+    def rows(one):
+        return lambda i: rows_gather_cuda(q8, *sets[i % 4], slots, sv, scale=1 / 16, one_launch=one)
+
+    recs = []
+    for name, make in (("flash_1row", flash), ("rows_gather_8rows", rows)):
+        assert mx.array_equal(make(True)(0), make(False)(0)).item()
+        rec = {"context": T, "kernel": name}
+        for _ in range(2):  # A B A B
+            for one in (True, False):
+                for sync in (True, False):
+                    key = f"{'one' if one else 'two'}_launch_{'eval' if sync else 'queued'}"
+                    rec.setdefault(key, []).append(timed(make(one), iters, sync))
+        print(json.dumps(rec))
+        recs.append(rec)
+    return recs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -48,41 +86,7 @@ def main() -> None:
     res = {"device": mx.device_info() if hasattr(mx, "device_info") else {}, "points": []}
     res["host"] = platform.node()
     for T in [int(c) for c in args.contexts.split(",")]:
-        cap = -(-T // 256) * 256
-        sets = []
-        for _ in range(4):  # rotated caches: 4 x 2 x cap x 256 x 2 bytes x 2
-            k = mx.random.normal((1, 2, cap, 256)).astype(mx.bfloat16)
-            v = mx.random.normal((1, 2, cap, 256)).astype(mx.bfloat16)
-            sets.append((k, v))
-        ids = mx.array(np.sort(rng.choice(T // 4, 512, replace=False)).astype(np.int32))
-        ok = mx.ones((512,), dtype=mx.bool_)
-        Tm = mx.array([T], dtype=mx.int32)
-        q1 = mx.random.normal((1, 24, 1, 256)).astype(mx.bfloat16)
-        q8 = mx.random.normal((1, 24, 8, 256)).astype(mx.bfloat16)
-        slots = mx.array(rng.integers(0, T, (8, 2052)).astype(np.int32))
-        sv = mx.ones((8, 2052), dtype=mx.bool_)
-        mx.eval(sets, ids, q1, q8, slots)
-
-        def flash(one):
-            return lambda i: flash_decode_cuda(
-                q1, *sets[i % 4], ids, ok, Tm, scale=1 / 16, one_launch=one
-            )
-
-        def rows(one):
-            return lambda i: rows_gather_cuda(
-                q8, *sets[i % 4], slots, sv, scale=1 / 16, one_launch=one
-            )
-
-        for name, make in (("flash_1row", flash), ("rows_gather_8rows", rows)):
-            assert mx.array_equal(make(True)(0), make(False)(0)).item()
-            rec = {"context": T, "kernel": name}
-            for rnd in range(2):  # A B A B
-                for one in (True, False):
-                    for sync in (True, False):
-                        key = f"{'one' if one else 'two'}_launch_{'eval' if sync else 'queued'}"
-                        rec.setdefault(key, []).append(timed(make(one), args.iters, sync))
-            print(json.dumps(rec))
-            res["points"].append(rec)
+        res["points"] += point(T, rng, args.iters)
     res["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     json.dump(res, open(args.out, "w"), indent=1)
 
