@@ -536,11 +536,11 @@ def test_flash_one_launch_matches_two_launches(T):
     poison(((24, 65, 256), None), ((1, 24, 1, 256), None))
     two = flash_decode_cuda(*args, Tm, scale=1 / 16, one_launch=False)
     for _ in range(3):
-        one = flash_decode_cuda(*args, Tm, scale=1 / 16)
+        one = flash_decode_cuda(*args, Tm, scale=1 / 16, one_launch=True)
         np.testing.assert_array_equal(to_np(one), to_np(two))
     # independent launches in one evaluation (MLX may run them as concurrent graph nodes)
     qs = [bf16(rng.standard_normal((1, 24, 1, 256), dtype=F32)) for _ in range(6)]
-    outs = [flash_decode_cuda(qi, *args[1:], Tm, scale=1 / 16) for qi in qs]
+    outs = [flash_decode_cuda(qi, *args[1:], Tm, scale=1 / 16, one_launch=True) for qi in qs]
     refs = [flash_decode_cuda(qi, *args[1:], Tm, scale=1 / 16, one_launch=False) for qi in qs]
     mx.eval(outs, refs)
     for o, r in zip(outs, refs, strict=True):
@@ -564,6 +564,6 @@ def test_rows_gather_one_launch_matches_two_launches(rows):
     sl, sv = mx.array(slots), mx.array(svalid)
     two = rows_gather_cuda(qs, km, vm, sl, sv, scale=1 / 16, one_launch=False)
     for _ in range(3):
-        one = rows_gather_cuda(qs, km, vm, sl, sv, scale=1 / 16)
+        one = rows_gather_cuda(qs, km, vm, sl, sv, scale=1 / 16, one_launch=True)
         np.testing.assert_array_equal(to_np(one), to_np(two))
     assert not to_np(two)[0, :, -1].any()

@@ -138,3 +138,15 @@ def test_counter_slots_rotate():
         starts.add((_launch._counters["next"] - 1) % _launch._COUNTER_SLOTS)
     assert len(starts) == _launch._COUNTER_SLOTS  # every slot used once before any repeats
     del b
+
+
+def test_one_launch_rule(monkeypatch):
+    from mlx_qsa.kernels import _launch
+
+    monkeypatch.delenv("MLX_QSA_ONE_LAUNCH", raising=False)
+    assert _launch.one_launch_default(24, 256)  # flash decode: 24 heads x 1 row
+    assert _launch.one_launch_default(48, 256)  # 2 verify rows: 48 x 256 = 48 CTAs of mergers
+    assert _launch.one_launch_default(64, 256) and not _launch.one_launch_default(65, 256)
+    assert not _launch.one_launch_default(24 * 8, 256)  # 8 rows: the merge kernel is faster
+    monkeypatch.setenv("MLX_QSA_ONE_LAUNCH", "0")
+    assert not _launch.one_launch_default(24, 256)

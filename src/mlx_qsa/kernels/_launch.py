@@ -92,10 +92,19 @@ def build(
     )
 
 
-def one_launch_default() -> bool:
-    """Whether split-K attention merges in its own launch unless told (``MLX_QSA_ONE_LAUNCH=0``
-    keeps the separate merge kernel: same bits, for side-by-side timing)."""
-    return os.environ.get("MLX_QSA_ONE_LAUNCH", "1") != "0"
+MERGERS_MAX = 64  # CTAs that merge in a one-launch split-K kernel (common.cuh merge_when_done)
+
+
+def one_launch_default(rows: int, d: int) -> bool:
+    """Whether split-K attention over `rows` (query heads x query rows) of width `d` merges in
+    its own launch unless told: only when one thread per output element of at most
+    ``MERGERS_MAX`` CTAs covers the merge (H200, 2026-12-04, benchmarks/split_k_ab.py: one row
+    at 128K queued 55 us against 58 us; 8 rows, a 3x longer merge on 64 CTAs, 67 against 60 us).
+    ``MLX_QSA_ONE_LAUNCH=0`` keeps the separate merge kernel (same bits), for side-by-side
+    timing."""
+    if os.environ.get("MLX_QSA_ONE_LAUNCH", "1") == "0":
+        return False
+    return rows * d <= MERGERS_MAX * ATTN_THREADS
 
 
 _COUNTER_SLOTS = 1024

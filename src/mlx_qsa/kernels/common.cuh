@@ -351,7 +351,7 @@ __device__ void merge_when_done(int* ctr, int n_cta, int R, const float* part_o,
   if (threadIdx.x == 0) ticket_s = atomicAdd(ctr, 1);
   __syncthreads();
   const int total = R * D;
-  const int M = min(min(n_cta, (total + NT - 1) / NT), 64);
+  const int M = min(min(n_cta, (total + NT - 1) / NT), 64);  // 64: _launch.MERGERS_MAX
   const int mi = ticket_s - (n_cta - M);
   if (mi < 0) return;
   if (threadIdx.x == 0) {

@@ -143,5 +143,5 @@ def flash_decode_cuda(
         nsplit=nsplit,
         shared_memory=_launch.attn_smem_bytes(d, g, _TOK, nt),
         out_dtype=q.dtype,
-        one_launch=_launch.one_launch_default() if one_launch is None else one_launch,
+        one_launch=_launch.one_launch_default(n_heads, d) if one_launch is None else one_launch,
     )

@@ -78,6 +78,8 @@ def rows_gather_cuda(
     tok = 32 if rows <= 4 else 64
     nsplit = -(-width // tok)
     nt = _launch.ATTN_THREADS
+    if one_launch is None:
+        one_launch = _launch.one_launch_default(n_heads * rows, d)
     template = [
         ("D", d),
         ("G", g),
@@ -99,5 +101,5 @@ def rows_gather_cuda(
         nsplit=nsplit,
         shared_memory=_launch.attn_smem_bytes(d, g, tok, nt),
         out_dtype=q.dtype,
-        one_launch=_launch.one_launch_default() if one_launch is None else one_launch,
+        one_launch=one_launch,
     )
