@@ -956,3 +956,33 @@ def test_trace_large_prefill_consumers(spy, trace_world, fused, options, consume
     check_call(c, cfg, w64, BF16)
     # Sparse rows really dropped blocks: row p sees 4·512 + (p + 1) % 4 tokens.
     assert [len(t) for t in attended(c.seen)] == [2048 + (p + 1) % 4 for p in range(2051, 2084)]
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_decode_step_memory_does_not_grow_with_the_context(rows):
+    """A decode / verify step updates K/V in place and gathers only its selected rows: its
+    transient memory barely changes from a 16K to a 64K context (a gather from a view of the
+    backing once copied the whole cache every step, making decode linear in the context)."""
+    from mlx_qsa.bench import layer_rows, random_cache
+
+    cfg = QSAConfig()
+    layer = QSAAttention(cfg, fused=4)
+    layer.set_dtype(mx.bfloat16)
+    mx.eval(layer.parameters())
+    x = layer_rows(cfg, rows, seed=4)
+    transient, kv_bytes = [], []
+    for T in (16384, 65536):
+        cache = random_cache(layer, T, rows, seed=3)
+        mx.eval(layer(x, cache=cache))  # first call at this shape: compiles
+        cache.trim(rows)
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        y = layer(x, cache=cache)
+        mx.eval(y, cache.keys, cache.values)
+        transient.append(mx.get_peak_memory() - base)
+        kv_bytes.append(cache.keys.nbytes + cache.values.nbytes)
+        assert layer.last_call.consumers[0] == ("flash" if rows == 1 else "rows_gather")
+        del cache, y
+    # the portable scorer's float32 block keys grow (8 bytes per token); K/V (2 KiB) must not
+    grew, kv_grew = transient[1] - transient[0], kv_bytes[1] - kv_bytes[0]
+    assert grew < 0.1 * kv_grew, (transient, kv_bytes)

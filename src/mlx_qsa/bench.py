@@ -228,8 +228,8 @@ def reference_attention(s: DecodeSet, tokens: list[np.ndarray], scale: float) ->
     out = np.zeros((H, S, d))
     for i, tok in enumerate(tokens):
         t = mx.array(tok.astype(np.int32))
-        k = np.array(mx.take(s.keys[0], t, axis=1).astype(mx.float32), np.float64)
-        v = np.array(mx.take(s.values[0], t, axis=1).astype(mx.float32), np.float64)
+        k = np.array(mx.take(s.keys, t, axis=2)[0].astype(mx.float32), np.float64)
+        v = np.array(mx.take(s.values, t, axis=2)[0].astype(mx.float32), np.float64)
         for h in range(H):
             a = scale * (k[h // G] @ q[h, i])
             p = np.exp(a - a.max())
@@ -257,8 +257,9 @@ def mlx_gather_sdpa(s: DecodeSet, ids: mx.array, keep: mx.array, scale: float) -
     """MLX built-ins: take the selected rows, then SDPA per row (rows as the batch)."""
     S, W = ids.shape
     Hkv, d = s.keys.shape[1], s.keys.shape[3]
-    k = mx.take(s.keys[0], ids.reshape(-1), axis=1).reshape(Hkv, S, W, d).transpose(1, 0, 2, 3)
-    v = mx.take(s.values[0], ids.reshape(-1), axis=1).reshape(Hkv, S, W, d).transpose(1, 0, 2, 3)
+    # from the 4-D backing: a gather from the view `keys[0]` would copy the whole cache first
+    k = mx.take(s.keys, ids.reshape(-1), axis=2).reshape(Hkv, S, W, d).transpose(1, 0, 2, 3)
+    v = mx.take(s.values, ids.reshape(-1), axis=2).reshape(Hkv, S, W, d).transpose(1, 0, 2, 3)
     q = s.q[0].transpose(1, 0, 2)[:, :, None, :]  # [S, H, 1, d]
     mask = None if bool(keep.all()) else keep
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)

@@ -24,8 +24,10 @@ def rows_gather(
     G = H // h_kv
     W = slots.shape[1]
     flat = slots.reshape(-1)
-    k = mx.take(keys[0], flat, axis=1).reshape(h_kv, S, W, d)
-    v = mx.take(values[0], flat, axis=1).reshape(h_kv, S, W, d)
+    # Gather from the 4-D backing itself: a gather from the view `keys[0]` copies the whole
+    # backing first (MLX 0.32), which made every decode step linear in the context.
+    k = mx.take(keys, flat, axis=2).reshape(h_kv, S, W, d)
+    v = mx.take(values, flat, axis=2).reshape(h_kv, S, W, d)
     qg = q[0].reshape(h_kv, G, S, d).transpose(0, 2, 1, 3)  # [H_kv, S, G, d]
     s = mx.matmul(qg, k.swapaxes(-1, -2)).astype(mx.float32) * scale  # [H_kv, S, G, W]
     s = mx.where(slot_valid[None, :, None, :], s, -mx.inf)
