@@ -64,13 +64,7 @@ def main() -> None:
         lay.update(base.parameters())
         layers.append(lay)
     mx.eval(base.parameters())
-    recs = []
-    for T in [int(c) for c in args.contexts.split(",")]:
-        for rows in [int(r) for r in args.rows.split(",")]:
-            for lay in layers:
-                rec = probe(lay, T, rows)
-                print(json.dumps(rec))
-                recs.append(rec)
+    recs: list[dict] = []
     info = mx.device_info() if mx.default_device().type == mx.DeviceType.gpu else {}
     out = {
         "device": info.get("device_name", "cpu"),
@@ -80,7 +74,13 @@ def main() -> None:
         + " ".join([args.out, "--contexts", args.contexts, "--rows", args.rows]),
         "points": recs,
     }
-    json.dump(out, open(args.out, "w"), indent=1)
+    for T in [int(c) for c in args.contexts.split(",")]:
+        for rows in [int(r) for r in args.rows.split(",")]:
+            for lay in layers:
+                rec = probe(lay, T, rows)
+                print(json.dumps(rec))
+                recs.append(rec)
+                json.dump(out, open(args.out, "w"), indent=1)  # after every point: partial runs
 
 
 if __name__ == "__main__":
