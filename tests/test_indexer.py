@@ -57,3 +57,11 @@ def test_score_blocks_values_against_float64():
     got = np.array(score_blocks(q, keys_t, pen), np.float64)
     assert (want > 0).any() and (np.maximum(qn @ kn, 0.0) == 0).any()  # ReLU is exercised
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-5)
+
+
+def test_block_penalty_is_made_once_per_size():
+    a, b = block_penalty(1000), block_penalty(1000)
+    assert a is b  # kept: no new array, no evaluation per call
+    want = np.arange(1000, dtype=np.float32) * np.float32(1e-12)
+    np.testing.assert_array_equal(np.array(a).view(np.uint32), want.view(np.uint32))
+    assert block_penalty(1001).shape == (1001,)

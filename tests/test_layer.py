@@ -986,3 +986,27 @@ def test_decode_step_memory_does_not_grow_with_the_context(rows):
     # the portable scorer's float32 block keys grow (8 bytes per token); K/V (2 KiB) must not
     grew, kv_grew = transient[1] - transient[0], kv_bytes[1] - kv_bytes[0]
     assert grew < 0.1 * kv_grew, (transient, kv_bytes)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_warm_decode_call_does_not_synchronise(rows, monkeypatch):
+    """Once warm, a decode / verify call only builds the graph: no `mx.eval` inside the layer
+    (each one is a host-device round trip that stalls a pipelined engine)."""
+    from mlx_qsa.bench import layer_rows, random_cache
+
+    cfg = QSAConfig()
+    layer = QSAAttention(cfg, fused=4)
+    layer.set_dtype(mx.bfloat16)
+    mx.eval(layer.parameters())
+    cache = random_cache(layer, 4096, rows, seed=5)
+    x = layer_rows(cfg, rows, seed=6)
+    for _ in range(2):
+        mx.eval(layer(x, cache=cache))
+        cache.trim(rows)
+    calls = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a, **k: (calls.append(1), real_eval(*a, **k))[1])
+    y = layer(x, cache=cache)
+    monkeypatch.undo()
+    assert calls == []
+    assert y.shape == (1, rows, cfg.hidden_size)
