@@ -50,8 +50,14 @@ def grow_rows(
     return out
 
 
-def write_rows(backing: mx.array, rows: mx.array, start: int, axis: int) -> mx.array:
-    return mx.slice_update(backing, rows.astype(backing.dtype), mx.array([start]), axes=(axis,))
+def write_rows(backing: mx.array, rows: mx.array, start: int | mx.array, axis: int) -> mx.array:
+    """`rows` written into `backing` from row `start` along `axis` (a functional update).
+
+    `start` may be an int32 array `[1]` made once and shared by several writes of a call:
+    every array made from a host value costs host time per step."""
+    if isinstance(start, int):
+        start = mx.array([start])
+    return mx.slice_update(backing, rows.astype(backing.dtype), start, axes=(axis,))
 
 
 @dataclass
@@ -284,17 +290,22 @@ def _check_states(full: tuple, d_i: int) -> None:
 # -- growth applied to staged backings (rules in plan.py) --------------------------------------
 
 
-def kv_append(u: CacheUpdate, k: mx.array, v: mx.array) -> None:
-    """Append K/V rows `[1, H_kv, S, d]` at `u.offset` with mlx-lm KVCache growth (step 256)."""
+def kv_append(u: CacheUpdate, k: mx.array, v: mx.array, start: mx.array | None = None) -> None:
+    """Append K/V rows `[1, H_kv, S, d]` at `u.offset` with mlx-lm KVCache growth (step 256).
+
+    `start`: optionally `u.offset` as an int32 array `[1]` the call already made (one host
+    array for both writes)."""
     P, S = u.offset, k.shape[2]
+    if start is None:
+        start = mx.array([P], mx.int32)
     cap = u.keys.shape[2] if u.keys is not None else 0
     growth = plan.kv_growth(cap, P, S)
     if growth is not None:
         keep, new_cap = growth
         u.keys = grow_rows(u.keys, 2, keep, new_cap, (k.shape, k.dtype))
         u.values = grow_rows(u.values, 2, keep, new_cap, (v.shape, v.dtype))
-    u.keys = write_rows(u.keys, k, P, 2)
-    u.values = write_rows(u.values, v, P, 2)
+    u.keys = write_rows(u.keys, k, start, 2)
+    u.values = write_rows(u.values, v, start, 2)
     u.offset = P + S
 
 

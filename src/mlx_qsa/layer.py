@@ -333,17 +333,18 @@ class QSAAttention(nn.Module):
         v = v_lin.reshape(1, S, Hkv, d).transpose(0, 2, 1, 3)
 
         call = plan.CallShape(S, P, cfg.indexer_compress_ratio or 4, cfg.block_topk or 512)
+        p_row = mx.array([P], mx.int32)  # one host array for every write at row P this call
         selection = Selection("none")
         iplan = None
         if cfg.has_indexer:
             iplan = self._plan_indexer(x, call, u) if not state_only else None
             source = qk_rows if qk_rows is not None else x
             if iplan is not None and iplan.compiled:
-                selection = self._compiled_indexer(source, call, u, iplan, vision)
+                selection = self._compiled_indexer(source, call, u, iplan, vision, p_row)
             else:
-                selection = self._eager_indexer(source, call, u, iplan, vision)
+                selection = self._eager_indexer(source, call, u, iplan, vision, p_row)
 
-        kv_append(u, k, v)
+        kv_append(u, k, v, p_row)
         if state_only:
             cache.commit(u)
             claim_cache(self, cache)
@@ -472,6 +473,7 @@ class QSAAttention(nn.Module):
         u: CacheUpdate,
         iplan: plan.IndexerPlan,
         vision: VisionState | None,
+        start_row: mx.array,
     ) -> Selection:
         cfg, g = self.config, self._geometry
         P, S, T, nb, m = call.pos, call.rows, call.T, call.nb, call.m
@@ -515,7 +517,7 @@ class QSAAttention(nn.Module):
             cos_win=cos_w,
             sin_win=sin_w,
             positions=self._row_positions(P, T),
-            pos0=mx.array([P], mx.int32),
+            pos0=start_row,
             win_start=mx.array([start], mx.int32),
             penalty=block_penalty(cap_pool),
         )
@@ -550,6 +552,7 @@ class QSAAttention(nn.Module):
         u: CacheUpdate,
         iplan: plan.IndexerPlan | None,
         vision: VisionState | None,
+        start_row: mx.array,
     ) -> Selection:
         """RUNTIME §5.5 (iplan None: state-only prefill, no selection)."""
         cfg, g = self.config, self._geometry
@@ -560,7 +563,7 @@ class QSAAttention(nn.Module):
         cap_raw = u.raw_keys.shape[1] if u.raw_keys is not None else 0
         new_cap = plan.eager_growth(cap_raw, T)
         raw = ensure_rows(u.raw_keys, new_cap, 1, ((1, 1, g.head_dim), dt))
-        u.raw_keys = write_rows(raw, k_raw, P, 1)
+        u.raw_keys = write_rows(raw, k_raw, start_row, 1)
 
         if nb > u.pooled_len:
             b0, n = u.pooled_len, nb - u.pooled_len
