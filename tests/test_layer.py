@@ -1010,3 +1010,35 @@ def test_warm_decode_call_does_not_synchronise(rows, monkeypatch):
     monkeypatch.undo()
     assert calls == []
     assert y.shape == (1, rows, cfg.hidden_size)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_compiled_qk_prep_is_bit_identical_to_eager(dtype, rows):
+    """Decode / verify widths run the q/k RMSNorm + RoPE through mx.compile; it must give the
+    eager routine's bits (no FMA contraction, same casts) on fresh random inputs."""
+    from mlx_qsa.layer import _qk_prep
+    from mlx_qsa.rope import rope_tables
+
+    cfg = QSAConfig()
+    H, Hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(rows), 4)
+    q_lin = (3 * mx.random.normal((1, rows, H * 2 * d), key=k1)).astype(dtype)
+    k_lin = (3 * mx.random.normal((1, rows, Hkv * d), key=k2)).astype(dtype)
+    q_w = (1 + 0.5 * mx.random.normal((d,), key=k3)).astype(dtype)
+    k_w = (1 + 0.5 * mx.random.normal((d,), key=k4)).astype(dtype)
+    cos, sin = rope_tables(mx.arange(70_000, 70_000 + rows, dtype=mx.int32), cfg)
+    args = (q_lin, k_lin, q_w, k_w, cos, sin)
+    eager = _qk_prep(H, Hkv, d, cfg.rotary_dim, cfg.rms_norm_eps, False)(*args)
+    compiled = _qk_prep(H, Hkv, d, cfg.rotary_dim, cfg.rms_norm_eps, True)(*args)
+    for e, c in zip(eager, compiled, strict=True):
+        assert e.shape == c.shape and e.dtype == c.dtype == dtype
+        assert mx.array_equal(e, c).item()
+        assert np.array_equal(
+            np.array(e.view(mx.uint16 if dtype != mx.float32 else mx.uint32)),
+            np.array(c.view(mx.uint16 if dtype != mx.float32 else mx.uint32)),
+        )
+    k_only = _qk_prep(H, Hkv, d, cfg.rotary_dim, cfg.rms_norm_eps, True)(
+        None, k_lin, None, k_w, cos, sin
+    )
+    assert mx.array_equal(k_only[0], eager[1]).item()

@@ -8,6 +8,7 @@ stages every cache change and commits at the end, so an error leaves the cache u
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
@@ -323,13 +324,12 @@ class QSAAttention(nn.Module):
         # (fewer primitives per step; every MLX primitive costs host time).
         text = vision is None or not cfg.has_mrope_axes
         self._call_rows = (P, T, pos, cos, sin) if text else None
+        prep = _qk_prep(H, Hkv, d, cfg.rotary_dim, cfg.rms_norm_eps, S <= COMPILED_PREP_MAX_ROWS)
         if q_lin is not None:
-            qg = q_lin.reshape(1, S, H, 2, d)
-            q = rms_norm(qg[..., 0, :], self.q_norm.weight, cfg.rms_norm_eps)
-            q = apply_rope(q.transpose(0, 2, 1, 3), cos, sin, cfg.rotary_dim)
-            gate = qg[..., 1, :]
-        k = rms_norm(k_lin.reshape(1, S, Hkv, d), self.k_norm.weight, cfg.rms_norm_eps)
-        k = apply_rope(k.transpose(0, 2, 1, 3), cos, sin, cfg.rotary_dim)
+            q, k = prep(q_lin, k_lin, self.q_norm.weight, self.k_norm.weight, cos, sin)
+            gate = q_lin.reshape(1, S, H, 2, d)[..., 1, :]
+        else:
+            k = prep(None, k_lin, None, self.k_norm.weight, cos, sin)[0]
         v = v_lin.reshape(1, S, Hkv, d).transpose(0, 2, 1, 3)
 
         call = plan.CallShape(S, P, cfg.indexer_compress_ratio or 4, cfg.block_topk or 512)
@@ -650,6 +650,45 @@ class QSAAttention(nn.Module):
                 prefill_workspace=opts.prefill_workspace,
             )
         return plan.selector_chunk_rows("blocks", S, n_blocks)
+
+
+# Decode and verify widths take the compiled q/k preparation (a bounded set of traced shapes;
+# fewer MLX primitives per step); wider calls run the same routine eagerly (the same bits: the
+# routines are written for mx.compile, rope.py).
+COMPILED_PREP_MAX_ROWS = 16
+
+
+@lru_cache(maxsize=64)
+def _qk_prep(
+    n_heads: int, kv_heads: int, head_dim: int, rotary_dim: int, eps: float, compiled: bool
+):
+    """Per-head RMSNorm then partial RoPE of the query half of q_proj (QSA.md §4) and of k:
+    `prep(q_lin | None, k_lin, q_norm_w, k_norm_w, cos, sin) -> (q, k) | (k,)`, both
+    `[1, heads, S, d]`."""
+
+    def k_part(k_lin, k_w, cos, sin):
+        S = k_lin.shape[1]
+        k = rms_norm(k_lin.reshape(1, S, kv_heads, head_dim), k_w, eps)
+        return apply_rope(k.transpose(0, 2, 1, 3), cos, sin, rotary_dim)
+
+    def both(q_lin, k_lin, q_w, k_w, cos, sin):
+        S = q_lin.shape[1]
+        q = rms_norm(q_lin.reshape(1, S, n_heads, 2, head_dim)[..., 0, :], q_w, eps)
+        q = apply_rope(q.transpose(0, 2, 1, 3), cos, sin, rotary_dim)
+        return q, k_part(k_lin, k_w, cos, sin)
+
+    def only_k(k_lin, k_w, cos, sin):
+        return (k_part(k_lin, k_w, cos, sin),)
+
+    run_both = mx.compile(both) if compiled else both
+    run_k = mx.compile(only_k) if compiled else only_k
+
+    def prep(q_lin, k_lin, q_w, k_w, cos, sin):
+        if q_lin is None:
+            return run_k(k_lin, k_w, cos, sin)
+        return run_both(q_lin, k_lin, q_w, k_w, cos, sin)
+
+    return prep
 
 
 def _mirror_of(pooled: mx.array) -> mx.array:
