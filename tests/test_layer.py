@@ -988,6 +988,38 @@ def test_decode_step_memory_does_not_grow_with_the_context(rows):
     assert grew < 0.1 * kv_grew, (transient, kv_bytes)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_state_writes_scale_with_the_rows_not_the_backing(compiled):
+    """Every state write of a decode step (K, V, raw keys, pooled keys) is a scatter of its own
+    rows: no dynamic `slice_update`, whose CUDA kernel in MLX 0.32 runs one thread per element
+    of the whole backing (0.5 ms per K/V write at 128K on an H200); the step's rows change and
+    every other row keeps its bits."""
+    from mlx_qsa.bench import layer_rows, primitive_counts, random_cache
+
+    cfg = QSAConfig()
+    layer = QSAAttention(cfg, options=QSAOptions(compiled=compiled), fused=4)
+    layer.set_dtype(mx.bfloat16)
+    mx.eval(layer.parameters())
+    rows = 4  # P = T - 4 = 4092: the step completes block 1023 (pooled write)
+    cache = random_cache(layer, 4096, rows, seed=7)
+    x = layer_rows(cfg, rows, seed=8)
+    before = {n: np.array(getattr(cache, n).astype(mx.float32)) for n in ("keys", "raw_keys")}
+    y = layer(x, cache=cache)
+    kinds = primitive_counts(y, *cache.state)["by_kind"]
+    assert "DynamicSliceUpdate" not in kinds and "SliceUpdate" not in kinds, kinds
+    assert kinds.get("ScatterAxis", 0) >= 4, kinds
+    mx.eval(y, *cache.state)
+    assert layer.last_call.compiled == compiled
+    P = 4096 - rows
+    for name, axis in (("keys", 2), ("raw_keys", 1)):
+        after = np.array(getattr(cache, name).astype(mx.float32))
+        old = before[name]
+        kept = np.delete(after, np.s_[P:], axis=axis)
+        assert np.array_equal(kept, np.delete(old, np.s_[P:], axis=axis)), name
+        assert not np.array_equal(np.take(after, range(P, P + rows), axis=axis),
+                                  np.take(old, range(P, P + rows), axis=axis)), name  # fmt: skip
+
+
 @pytest.mark.parametrize("rows", [1, 4])
 def test_warm_decode_call_does_not_synchronise(rows, monkeypatch):
     """Once warm, a decode / verify call only builds the graph: no `mx.eval` inside the layer

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import plan
+from .cache import write_rows
 from .indexer import (
     IndexerGeometry,
     dense_keep_mask,
@@ -43,8 +44,7 @@ class CoreInputs:
     sin_rows: mx.array
     cos_win: mx.array  # [m, d_r/2] at the window blocks' first tokens
     sin_win: mx.array
-    positions: mx.array  # int32 [S], the rows' absolute positions
-    pos0: mx.array  # int32 [1], P (first row written)
+    positions: mx.array  # int32 [S], the rows' absolute positions (= their raw-key rows)
     win_start: mx.array  # int32 [1], first block of the staging window
     penalty: mx.array  # float32 [cap_pool]
 
@@ -75,24 +75,15 @@ def _graph(
         cos_win,
         sin_win,
         positions,
-        pos0,
         win_start,
         penalty,
     ):
         on_trace()
         z = source @ proj_w.T if hidden_source else source
         q_raw, k_raw = split_qk_rows(z, g)
-        zero = mx.zeros(1, mx.int32)
-        raw = mx.slice_update(
-            raw, k_raw.astype(raw.dtype), mx.concatenate([zero, pos0, zero]), axes=(0, 1, 2)
-        )
+        raw = write_rows(raw, k_raw, positions, 1)
         window = pool_blocks(raw, win_start, m, k_norm_w, cos_win, sin_win, g)
-        pooled = mx.slice_update(
-            pooled,
-            window.astype(pooled.dtype),
-            mx.concatenate([zero, win_start, zero]),
-            axes=(0, 1, 2),
-        )
+        pooled = write_rows(pooled, window, win_start + mx.arange(m, dtype=mx.int32), 1)
         if mode == "update_only":
             return raw, pooled
         q = prepare_queries(q_raw, q_norm_w, cos_rows, sin_rows, g)
@@ -145,7 +136,6 @@ class IndexerCore:
             inputs.cos_win,
             inputs.sin_win,
             inputs.positions,
-            inputs.pos0,
             inputs.win_start,
             inputs.penalty,
         )

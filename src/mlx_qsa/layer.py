@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import plan
-from .cache import CacheUpdate, QSACache, ensure_rows, kv_append, write_rows
+from .cache import CacheUpdate, QSACache, ensure_rows, kv_append, row_index, write_rows
 from .config import QSAConfig, QSAOptions
 from .consumers import dispatch
 from .core import CoreInputs, IndexerCore
@@ -333,18 +333,18 @@ class QSAAttention(nn.Module):
         v = v_lin.reshape(1, S, Hkv, d).transpose(0, 2, 1, 3)
 
         call = plan.CallShape(S, P, cfg.indexer_compress_ratio or 4, cfg.block_topk or 512)
-        p_row = mx.array([P], mx.int32)  # one host array for every write at row P this call
+        rows = self._row_positions(P, T)  # the rows' indices: every write of this call
         selection = Selection("none")
         iplan = None
         if cfg.has_indexer:
             iplan = self._plan_indexer(x, call, u) if not state_only else None
             source = qk_rows if qk_rows is not None else x
             if iplan is not None and iplan.compiled:
-                selection = self._compiled_indexer(source, call, u, iplan, vision, p_row)
+                selection = self._compiled_indexer(source, call, u, iplan, vision)
             else:
-                selection = self._eager_indexer(source, call, u, iplan, vision, p_row)
+                selection = self._eager_indexer(source, call, u, iplan, vision, rows)
 
-        kv_append(u, k, v, p_row)
+        kv_append(u, k, v, rows)
         if state_only:
             cache.commit(u)
             claim_cache(self, cache)
@@ -368,14 +368,13 @@ class QSAAttention(nn.Module):
             vision=vision_kind,
             prefill_flash_contract=contract,
         )
-        positions = self._row_positions(P, T)
         o = dispatch(
             cplan,
             q,
             u.keys,
             u.values,
             selection,
-            positions,
+            rows,
             T,
             cfg.indexer_compress_ratio or 4,
             cfg.scale,
@@ -473,7 +472,6 @@ class QSAAttention(nn.Module):
         u: CacheUpdate,
         iplan: plan.IndexerPlan,
         vision: VisionState | None,
-        start_row: mx.array,
     ) -> Selection:
         cfg, g = self.config, self._geometry
         P, S, T, nb, m = call.pos, call.rows, call.T, call.nb, call.m
@@ -517,7 +515,6 @@ class QSAAttention(nn.Module):
             cos_win=cos_w,
             sin_win=sin_w,
             positions=self._row_positions(P, T),
-            pos0=start_row,
             win_start=mx.array([start], mx.int32),
             penalty=block_penalty(cap_pool),
         )
@@ -552,7 +549,7 @@ class QSAAttention(nn.Module):
         u: CacheUpdate,
         iplan: plan.IndexerPlan | None,
         vision: VisionState | None,
-        start_row: mx.array,
+        rows: mx.array,
     ) -> Selection:
         """RUNTIME §5.5 (iplan None: state-only prefill, no selection)."""
         cfg, g = self.config, self._geometry
@@ -563,7 +560,7 @@ class QSAAttention(nn.Module):
         cap_raw = u.raw_keys.shape[1] if u.raw_keys is not None else 0
         new_cap = plan.eager_growth(cap_raw, T)
         raw = ensure_rows(u.raw_keys, new_cap, 1, ((1, 1, g.head_dim), dt))
-        u.raw_keys = write_rows(raw, k_raw, start_row, 1)
+        u.raw_keys = write_rows(raw, k_raw, rows, 1)
 
         if nb > u.pooled_len:
             b0, n = u.pooled_len, nb - u.pooled_len
@@ -575,7 +572,7 @@ class QSAAttention(nn.Module):
             pooled = ensure_rows(
                 u.pooled, plan.eager_growth(cap_pool, nb), 1, ((1, 1, g.head_dim), dt)
             )
-            u.pooled = write_rows(pooled, blocks, b0, 1)
+            u.pooled = write_rows(pooled, blocks, row_index(b0, n), 1)
             if u.pooled_f32_t is None:
                 u.pooled_f32_t = _mirror_of(u.pooled)
             else:
@@ -583,7 +580,7 @@ class QSAAttention(nn.Module):
                     u.pooled_f32_t, u.pooled.shape[1], 3, ((1, 1, g.head_dim, 1), mx.float32)
                 )
                 u.pooled_f32_t = write_rows(
-                    mirror, blocks.astype(mx.float32).transpose(0, 2, 1)[None], b0, 3
+                    mirror, blocks.astype(mx.float32).transpose(0, 2, 1)[None], row_index(b0, n), 3
                 )
         u.pooled_len = nb
 
@@ -596,7 +593,7 @@ class QSAAttention(nn.Module):
         )
         cos_q, sin_q = self._index_tables(P, T, vision)
         q = prepare_queries(q_raw, self.indexer.q_layernorm.weight, cos_q, sin_q, g)
-        positions = self._row_positions(P, T)
+        positions = rows
         chunk = self._eager_chunk(iplan, S, keys_t.shape[1], q.dtype, u.pooled.dtype)
         ids, valid, scores = select_rows(
             q,
