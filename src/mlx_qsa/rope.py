@@ -48,6 +48,9 @@ def rope_tables(positions: mx.array, cfg: QSAConfig) -> tuple[mx.array, mx.array
     return mx.cos(phi), mx.sin(phi)
 
 
+_SIGNS = mx.array([[-1.0], [1.0]], dtype=mx.float32)
+
+
 def text_positions(start: int, stop: int, step: int = 1) -> mx.array:
     return mx.arange(start, stop, step, dtype=mx.int32)
 
@@ -60,14 +63,15 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, rotary_dim: int) -> mx
     """
     half = rotary_dim // 2
     xf = x[..., :rotary_dim].astype(mx.float32)
-    a, b = xf[..., :half], xf[..., half:]
-    # One multiply produces all four products; the slices below are the fusion barrier.
-    prods = mx.concatenate([a, b, b, a], axis=-1) * mx.concatenate([cos, sin, cos, sin], axis=-1)
-    ac = prods[..., :half]
-    bs = prods[..., half : 2 * half]
-    bc = prods[..., 2 * half : 3 * half]
-    as_ = prods[..., 3 * half :]
-    rotated = mx.concatenate([ac - bs, bc + as_], axis=-1).astype(x.dtype)
+    # [..., n, 1, 2, half] (a; b) times [n, 2, 1, half] (cos; sin): one broadcast multiply gives
+    # all four products with no copies of x (each concatenation would be a kernel per input).
+    pairs = xf.reshape(*xf.shape[:-1], 1, 2, half)
+    prods = pairs * mx.stack([cos, sin], axis=1)[:, :, None, :]
+    # The slices are the fusion barrier: each product is rounded to float32 before the add.
+    by_cos = prods[..., 0, :, :]  # (a·cos; b·cos)
+    by_sin = prods[..., 1, ::-1, :]  # (b·sin; a·sin)
+    # (a·cos − b·sin; b·cos + a·sin): a product by ±1 is exact, so the add rounds as a subtract
+    rotated = (by_cos + _SIGNS * by_sin).reshape(xf.shape).astype(x.dtype)
     if rotary_dim == x.shape[-1]:
         return rotated
     return mx.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
