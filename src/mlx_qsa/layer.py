@@ -255,8 +255,8 @@ class QSAAttention(nn.Module):
     def _kv_dtype(self, x: mx.array) -> mx.Dtype:
         """dtype of the K/V rows this input produces (projection output promotion)."""
         proj = {0: "k_proj", 3: "qkv_proj", 4: "qkvi_proj"}[self.fused]
-        w = getattr(self, proj).weight
-        return (mx.zeros((), x.dtype) * mx.zeros((), w.dtype)).dtype
+        # The promotion rule itself, not a probe graph (every call pays for its primitives).
+        return mx.result_type(x.dtype, getattr(self, proj).weight.dtype)
 
     # -- projections -----------------------------------------------------------------------
     def _project(
