@@ -89,17 +89,17 @@ def pool_blocks(
     if isinstance(first_block, int):
         rows = raw[:, first_block * r : (first_block + n_blocks) * r, :]
     else:
+        # A start for the row axis only: no concatenation of zeros around it (three more
+        # primitives and kernels per step).
         start = (first_block * r).reshape(1)
-        rows = mx.slice(
-            raw,
-            mx.concatenate([mx.zeros(1, mx.int32), start, mx.zeros(1, mx.int32)]),
-            (0, 1, 2),
-            (1, n_blocks * r, g.head_dim),
-        )
-    rows = rows.astype(mx.float32).reshape(1, n_blocks, r, g.head_dim)
-    acc = rows[:, :, 0, :]
-    for j in range(1, r):
-        acc = acc + rows[:, :, j, :]
+        rows = mx.slice(raw, start, (1,), (1, n_blocks * r, g.head_dim))
+    # Each block's r token rows side by side, one split (views) into r [1, n, d_I] parts,
+    # summed in order 0..r-1 (no reshape after it: the cast, sum, mean and the norm's cast fuse).
+    flat = rows.astype(mx.float32).reshape(1, n_blocks, r * g.head_dim)
+    parts = mx.split(flat, r, axis=2)
+    acc = parts[0]
+    for part in parts[1:]:
+        acc = acc + part
     mean = (acc / r).astype(raw.dtype)
     return apply_rope(rms_norm(mean, norm_w, g.eps), cos, sin, g.rotary_dim)
 
