@@ -1074,3 +1074,39 @@ def test_compiled_qk_prep_is_bit_identical_to_eager(dtype, rows):
         None, k_lin, None, k_w, cos, sin
     )
     assert mx.array_equal(k_only[0], eager[1]).item()
+
+
+def test_layers_at_one_step_share_the_rope_tables():
+    """A model's QSA layers at one step use one set of text RoPE tables (rows and staging
+    window): a later layer's graph holds fewer primitives, and its output and states are bit
+    for bit those it gives when it makes its own tables."""
+    from mlx_qsa.bench import layer_rows, primitive_counts, random_cache
+    from mlx_qsa.rope import text_rope
+
+    cfg = QSAConfig()
+    layers = []
+    for seed in (1, 2):
+        mx.random.seed(seed)
+        layer = QSAAttention(cfg, fused=4)
+        layer.set_dtype(mx.bfloat16)
+        mx.eval(layer.parameters())
+        layers.append(layer)
+    a, b = layers
+    x = layer_rows(cfg, 1, seed=3)
+
+    def step_b(after_a: bool):
+        text_rope.cache_clear()
+        if after_a:
+            a(x, cache=random_cache(a, 4096, 1, seed=4))  # the step's first layer, unevaluated
+        cache = random_cache(b, 4096, 1, seed=5)
+        y = b(x, cache=cache)
+        n = primitive_counts(y, *cache.state)["total"]
+        mx.eval(y, *cache.state)
+        return n, y, cache.state
+
+    n_own, y_own, s_own = step_b(after_a=False)
+    n_shared, y_shared, s_shared = step_b(after_a=True)
+    assert n_shared <= n_own - 10, (n_own, n_shared)  # rows' and window's tables not remade
+    assert np.array_equal(np.array(y_own.astype(mx.float32)), np.array(y_shared.astype(mx.float32)))
+    for u, v in zip(s_own, s_shared, strict=True):
+        assert np.array_equal(np.array(u.astype(mx.float32)), np.array(v.astype(mx.float32)))

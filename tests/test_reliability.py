@@ -776,11 +776,12 @@ def _graph_that_fails(*args: object, **kwargs: object) -> Callable:
     return run
 
 
-# (id, object, attribute, replacement, options of the layer, entry point). The first three
+# (id, object, attribute, replacement, options of the layer, entry point). The first four
 # fail before the compiled core has run; the others after it (or on the eager path).
-BEFORE_CORE = ("rope-tables", "compiled-core-dispatch", "compiled-graph-trace")
+BEFORE_CORE = ("rope-tables", "block-tables", "compiled-core-dispatch", "compiled-graph-trace")
 INJECTIONS = [
-    ("rope-tables", layer_mod, "rope_tables", _raise, None, "call"),
+    ("rope-tables", layer_mod, "text_rope", _raise, None, "call"),
+    ("block-tables", layer_mod.QSAAttention, "_block_tables", _raise, None, "call"),
     ("compiled-core-dispatch", core_mod.IndexerCore, "dispatch", _raise, None, "call"),
     ("compiled-graph-trace", core_mod, "_graph", _graph_that_fails, None, "call"),
     ("eager-pool-blocks", layer_mod, "pool_blocks", _raise, {"compiled": False}, "call"),

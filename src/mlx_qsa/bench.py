@@ -43,6 +43,7 @@ from .config import QSAConfig, QSAOptions
 from .consumers import dispatch
 from .indexer import Selection, block_penalty, row_token_slots, select_rows
 from .layer import QSAAttention
+from .rope import text_rope
 from .sweep import backend_name, environment
 
 DEFAULT_CONTEXTS = (8192, 32768, 131072, 262144)
@@ -415,10 +416,14 @@ def bench_decode_point(
         for impl, layer in layers.items():
 
             def layer_step(i: int, layer=layer) -> mx.array:
+                # Every timed step makes its own RoPE tables, as a model's first QSA layer at
+                # a new position does (the later layers of that step reuse them).
+                text_rope.cache_clear()
                 y = layer(xs[i], cache=caches[i])
                 caches[i].trim(rows)  # back to T - rows: every step sees context T
                 return y
 
+            text_rope.cache_clear()
             y = layer(xs[0], cache=caches[0])  # one step's graph, counted before it runs
             rec["primitives"][f"qsa_{impl}_layer"] = primitive_counts(y, *caches[0].state)
             mx.eval(y, *caches[0].state)

@@ -32,7 +32,7 @@ from .indexer import (
     split_qk_rows,
 )
 from .kernels import resolve_impl
-from .rope import apply_rope, rms_norm, rope_tables, text_positions
+from .rope import apply_rope, rms_norm, rope_tables, text_positions, text_rope
 from .sharding import check_cache, claim_cache, shard_layer
 
 FUSED_LEVELS = (0, 3, 4)
@@ -318,11 +318,15 @@ class QSAAttention(nn.Module):
         u = cache.staged()
 
         q_lin, k_lin, v_lin, qk_rows = self._project(x, with_query=not state_only)
-        pos = self._positions(P, T, vision)
-        cos, sin = rope_tables(pos, cfg)
         # Text rows: the indexer's rows and the consumers use these same positions and tables
-        # (fewer primitives per step; every MLX primitive costs host time).
+        # (fewer primitives per step; every MLX primitive costs host time), shared with the
+        # model's other layers at this step.
         text = vision is None or not cfg.has_mrope_axes
+        if text:
+            pos, cos, sin = text_rope(cfg, P, T)
+        else:
+            pos = self._positions(P, T, vision)
+            cos, sin = rope_tables(pos, cfg)
         self._call_rows = (P, T, pos, cos, sin) if text else None
         prep = _qk_prep(H, Hkv, d, cfg.rotary_dim, cfg.rms_norm_eps, S <= COMPILED_PREP_MAX_ROWS)
         if q_lin is not None:
@@ -460,6 +464,15 @@ class QSAAttention(nn.Module):
             return _vision_token_positions(vision, tokens)
         return tokens
 
+    def _block_tables(
+        self, first_block: int, n_blocks: int, vision: VisionState | None
+    ) -> tuple[mx.array, mx.array]:
+        """RoPE tables at blocks' first tokens (text ones shared across layers and steps)."""
+        if vision is not None and self.options.vision_sparse and self.config.has_mrope_axes:
+            return rope_tables(self._block_positions(first_block, n_blocks, vision), self.config)
+        r = self._geometry.ratio
+        return text_rope(self.config, first_block * r, (first_block + n_blocks) * r, r)[1:]
+
     def _index_z(self, source: mx.array) -> mx.array:
         if self.fused == 4:
             return source
@@ -502,7 +515,7 @@ class QSAAttention(nn.Module):
         )
         start = plan.staging_window_start(nb, m, u.pooled_len, cap_raw, cap_pool, g.ratio)
         cos_r, sin_r = self._index_tables(P, T, vision)
-        cos_w, sin_w = rope_tables(self._block_positions(start, m, vision), cfg)
+        cos_w, sin_w = self._block_tables(start, m, vision)
         inputs = CoreInputs(
             source=source,
             proj_w=None if self.fused == 4 else self.indexer.index_qk_proj.weight,
@@ -552,7 +565,7 @@ class QSAAttention(nn.Module):
         rows: mx.array,
     ) -> Selection:
         """RUNTIME §5.5 (iplan None: state-only prefill, no selection)."""
-        cfg, g = self.config, self._geometry
+        g = self._geometry
         P, S, T, nb = call.pos, call.rows, call.T, call.nb
         z = self._index_z(source)
         q_raw, k_raw = split_qk_rows(z, g)
@@ -564,7 +577,7 @@ class QSAAttention(nn.Module):
 
         if nb > u.pooled_len:
             b0, n = u.pooled_len, nb - u.pooled_len
-            cos_b, sin_b = rope_tables(self._block_positions(b0, n, vision), cfg)
+            cos_b, sin_b = self._block_tables(b0, n, vision)
             blocks = pool_blocks(
                 u.raw_keys, b0, n, self.indexer.k_layernorm.weight, cos_b, sin_b, g
             )

@@ -56,6 +56,15 @@ def text_positions(start: int, stop: int, step: int = 1) -> mx.array:
     return mx.arange(start, stop, step, dtype=mx.int32)
 
 
+@lru_cache(maxsize=16)
+def text_rope(cfg: QSAConfig, start: int, stop: int, step: int = 1) -> tuple[mx.array, ...]:
+    """`(positions, cos, sin)` of text positions start, start+step, ... < stop, made once for
+    every caller that asks for the same range: the layers of a model at one step, a staging
+    window's steps. The same arrays, so the same bits; six fewer primitives per repeat."""
+    pos = text_positions(start, stop, step)
+    return (pos, *rope_tables(pos, cfg))
+
+
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, rotary_dim: int) -> mx.array:
     """Rotate-half RoPE over the first `rotary_dim` channels of the last axis.
 
