@@ -528,7 +528,7 @@ class QSAAttention(nn.Module):
             cos_win=cos_w,
             sin_win=sin_w,
             positions=self._row_positions(P, T),
-            win_start=mx.array([start], mx.int32),
+            win_start=_window_start(start),
             penalty=block_penalty(cap_pool),
         )
         if self._core is None:
@@ -699,6 +699,14 @@ def _qk_prep(
         return run_both(q_lin, k_lin, q_w, k_w, cos, sin)
 
     return prep
+
+
+@lru_cache(maxsize=64)
+def _window_start(start: int) -> mx.array:
+    """The staging window's first block as the core's int32 `[1]` input, made once per value:
+    a model's layers at one step and a window's steps share it (each host-made array costs
+    host time and a copy to the device when evaluated)."""
+    return mx.array([start], mx.int32)
 
 
 def _mirror_of(pooled: mx.array) -> mx.array:
