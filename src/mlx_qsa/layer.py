@@ -124,7 +124,6 @@ class QSAAttention(nn.Module):
         self.counters: dict[str, int] = dict.fromkeys(plan.LIBRARY_COUNTERS, 0)
         self.last_call: CallInfo | None = None
         self.shard_layout = None  # set by shard(): this rank's heads (sharding.ShardLayout)
-        self._call_rows: tuple | None = None  # (P, T, positions, cos, sin) of a text call
 
     # -- construction helpers ----------------------------------------------------------
     @classmethod
@@ -283,12 +282,6 @@ class QSAAttention(nn.Module):
         qk_rows = u[..., e:] if self.fused == 4 else None
         return q, u[..., qw : qw + kvw], u[..., qw + kvw : e], qk_rows
 
-    def _positions(self, P: int, T: int, vision: VisionState | None) -> mx.array:
-        """Attention RoPE positions of rows [P, T): text `[S]` or MRoPE `[3, S]`."""
-        if vision is None or not self.config.has_mrope_axes:
-            return text_positions(P, T)
-        return _vision_positions(vision, P, T)
-
     # -- the call ---------------------------------------------------------------------------
     def __call__(
         self, x: mx.array, cache: QSACache | None = None, vision: VisionState | None = None
@@ -318,16 +311,13 @@ class QSAAttention(nn.Module):
         u = cache.staged()
 
         q_lin, k_lin, v_lin, qk_rows = self._project(x, with_query=not state_only)
-        # Text rows: the indexer's rows and the consumers use these same positions and tables
-        # (fewer primitives per step; every MLX primitive costs host time), shared with the
-        # model's other layers at this step.
-        text = vision is None or not cfg.has_mrope_axes
-        if text:
-            pos, cos, sin = text_rope(cfg, P, T)
+        # Attention RoPE at text positions `[S]` or MRoPE ones `[3, S]`. Text tables come from
+        # `text_rope`, shared with the indexer's rows, the consumers and the model's other
+        # layers at this step (every MLX primitive costs host time).
+        if vision is None or not cfg.has_mrope_axes:
+            _, cos, sin = text_rope(cfg, P, T)
         else:
-            pos = self._positions(P, T, vision)
-            cos, sin = rope_tables(pos, cfg)
-        self._call_rows = (P, T, pos, cos, sin) if text else None
+            cos, sin = rope_tables(_vision_positions(vision, P, T), cfg)
         prep = _qk_prep(H, Hkv, d, cfg.rotary_dim, cfg.rms_norm_eps, S <= COMPILED_PREP_MAX_ROWS)
         if q_lin is not None:
             q, k = prep(q_lin, k_lin, self.q_norm.weight, self.k_norm.weight, cos, sin)
@@ -337,14 +327,14 @@ class QSAAttention(nn.Module):
         v = v_lin.reshape(1, S, Hkv, d).transpose(0, 2, 1, 3)
 
         call = plan.CallShape(S, P, cfg.indexer_compress_ratio or 4, cfg.block_topk or 512)
-        rows = self._row_positions(P, T)  # the rows' indices: every write of this call
+        rows = text_rope(cfg, P, T)[0]  # the rows' indices: every write of this call
         selection = Selection("none")
         iplan = None
         if cfg.has_indexer:
             iplan = self._plan_indexer(x, call, u) if not state_only else None
             source = qk_rows if qk_rows is not None else x
             if iplan is not None and iplan.compiled:
-                selection = self._compiled_indexer(source, call, u, iplan, vision)
+                selection = self._compiled_indexer(source, call, u, iplan, vision, rows)
             else:
                 selection = self._eager_indexer(source, call, u, iplan, vision, rows)
 
@@ -427,51 +417,32 @@ class QSAAttention(nn.Module):
             pooled_len=u.pooled_len,
         )
 
-    def _index_positions(
-        self, start: int, stop: int, step: int, vision: VisionState | None
-    ) -> mx.array:
-        """Indexer RoPE positions: text, or MRoPE ones with the `vision_sparse` opt-in."""
-        if vision is not None and self.options.vision_sparse and self.config.has_mrope_axes:
-            return _vision_positions(vision, start, stop, step)
-        return text_positions(start, stop, step)
-
-    def _row_positions(self, P: int, T: int) -> mx.array:
-        """Text positions of rows [P, T) (this call's, when it made them)."""
-        rows = self._call_rows
-        if rows is not None and rows[:2] == (P, T):
-            return rows[2]
-        return text_positions(P, T)
+    def _vision_sparse(self, vision: VisionState | None) -> bool:
+        """Whether the indexer takes MRoPE positions (the `vision_sparse` opt-in)."""
+        return vision is not None and self.options.vision_sparse and self.config.has_mrope_axes
 
     def _index_tables(
         self, P: int, T: int, vision: VisionState | None
     ) -> tuple[mx.array, mx.array]:
-        """RoPE tables at the rows' indexer positions (this call's text tables when equal)."""
-        rows = self._call_rows
-        plain = vision is None or not (self.options.vision_sparse and self.config.has_mrope_axes)
-        if plain and rows is not None and rows[:2] == (P, T):
-            return rows[3], rows[4]
-        return rope_tables(self._index_positions(P, T, 1, vision), self.config)
-
-    def _block_positions(
-        self, first_block: int, n_blocks: int, vision: VisionState | None
-    ) -> mx.array:
-        """RoPE positions of blocks' first tokens. With `vision_sparse` each block takes its
-        first token's own position, so its key does not depend on which call or staging
-        window pools it (eager pooling == compiled window pooling)."""
-        r = self._geometry.ratio
-        tokens = text_positions(first_block * r, (first_block + n_blocks) * r, r)
-        if vision is not None and self.options.vision_sparse and self.config.has_mrope_axes:
-            return _vision_token_positions(vision, tokens)
-        return tokens
+        """RoPE tables at the rows' indexer positions (this call's text tables unless
+        `vision_sparse`)."""
+        if self._vision_sparse(vision):
+            return rope_tables(_vision_positions(vision, P, T), self.config)
+        return text_rope(self.config, P, T)[1:]
 
     def _block_tables(
         self, first_block: int, n_blocks: int, vision: VisionState | None
     ) -> tuple[mx.array, mx.array]:
-        """RoPE tables at blocks' first tokens (text ones shared across layers and steps)."""
-        if vision is not None and self.options.vision_sparse and self.config.has_mrope_axes:
-            return rope_tables(self._block_positions(first_block, n_blocks, vision), self.config)
+        """RoPE tables at blocks' first tokens (text ones shared across layers and steps).
+        With `vision_sparse` each block takes its first token's own position, so its key does
+        not depend on which call or staging window pools it (eager pooling == compiled window
+        pooling)."""
         r = self._geometry.ratio
-        return text_rope(self.config, first_block * r, (first_block + n_blocks) * r, r)[1:]
+        start, stop = first_block * r, (first_block + n_blocks) * r
+        if self._vision_sparse(vision):
+            tokens = text_positions(start, stop, r)
+            return rope_tables(_vision_token_positions(vision, tokens), self.config)
+        return text_rope(self.config, start, stop, r)[1:]
 
     def _index_z(self, source: mx.array) -> mx.array:
         if self.fused == 4:
@@ -485,6 +456,7 @@ class QSAAttention(nn.Module):
         u: CacheUpdate,
         iplan: plan.IndexerPlan,
         vision: VisionState | None,
+        rows: mx.array,
     ) -> Selection:
         cfg, g = self.config, self._geometry
         P, S, T, nb, m = call.pos, call.rows, call.T, call.nb, call.m
@@ -527,7 +499,7 @@ class QSAAttention(nn.Module):
             sin_rows=sin_r,
             cos_win=cos_w,
             sin_win=sin_w,
-            positions=self._row_positions(P, T),
+            positions=rows,
             win_start=_window_start(start),
             penalty=block_penalty(cap_pool),
         )
@@ -606,13 +578,12 @@ class QSAAttention(nn.Module):
         )
         cos_q, sin_q = self._index_tables(P, T, vision)
         q = prepare_queries(q_raw, self.indexer.q_layernorm.weight, cos_q, sin_q, g)
-        positions = rows
         chunk = self._eager_chunk(iplan, S, keys_t.shape[1], q.dtype, u.pooled.dtype)
         ids, valid, scores = select_rows(
             q,
             keys_t,
             block_penalty(keys_t.shape[1]),
-            positions,
+            rows,
             g.ratio,
             g.block_topk,
             chunk,
@@ -624,7 +595,7 @@ class QSAAttention(nn.Module):
             return Selection(
                 kind, ids=ids, valid=valid, scores=scores, tail_start=T // g.ratio * g.ratio
             )
-        slots, slot_valid = row_token_slots(ids, valid, positions, g.ratio)
+        slots, slot_valid = row_token_slots(ids, valid, rows, g.ratio)
         if kind == "row_tokens":
             return Selection(kind, slots=slots, slot_valid=slot_valid)
         if kind == "token_list":
@@ -633,7 +604,7 @@ class QSAAttention(nn.Module):
             w = g.block_topk * g.ratio
             tokens = mx.concatenate([slots[0, : k_eff * g.ratio], slots[0, w : w + tail]])
             return Selection(kind, slots=tokens)
-        mask = dense_keep_mask(ids, valid, positions, T, g.ratio)
+        mask = dense_keep_mask(ids, valid, rows, T, g.ratio)
         return Selection("dense_mask", mask=mask[None, None])
 
     def _eager_chunk(
