@@ -300,14 +300,12 @@ def _check_states(full: tuple, d_i: int) -> None:
 # -- growth applied to staged backings (rules in plan.py) --------------------------------------
 
 
-def kv_append(u: CacheUpdate, k: mx.array, v: mx.array, rows: mx.array | None = None) -> None:
+def kv_append(u: CacheUpdate, k: mx.array, v: mx.array, rows: mx.array) -> None:
     """Append K/V rows `[1, H_kv, S, d]` at `u.offset` with mlx-lm KVCache growth (step 256).
 
-    `rows`: optionally the rows' indices offset, ..., offset + S - 1 as an int32 array `[S]`
-    the call already made (every array made from host values costs host time per step)."""
+    `rows`: the rows' indices offset, ..., offset + S - 1 as an int32 array `[S]`, the one the
+    call already made (every array made from host values costs host time per step)."""
     P, S = u.offset, k.shape[2]
-    if rows is None:
-        rows = row_index(P, S)
     cap = u.keys.shape[2] if u.keys is not None else 0
     growth = plan.kv_growth(cap, P, S)
     if growth is not None:

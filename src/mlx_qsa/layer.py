@@ -557,7 +557,8 @@ class QSAAttention(nn.Module):
             pooled = ensure_rows(
                 u.pooled, plan.eager_growth(cap_pool, nb), 1, ((1, 1, g.head_dim), dt)
             )
-            u.pooled = write_rows(pooled, blocks, row_index(b0, n), 1)
+            block_rows = row_index(b0, n)  # one index array for the pooled and mirror writes
+            u.pooled = write_rows(pooled, blocks, block_rows, 1)
             if u.pooled_f32_t is None:
                 u.pooled_f32_t = _mirror_of(u.pooled)
             else:
@@ -565,7 +566,7 @@ class QSAAttention(nn.Module):
                     u.pooled_f32_t, u.pooled.shape[1], 3, ((1, 1, g.head_dim, 1), mx.float32)
                 )
                 u.pooled_f32_t = write_rows(
-                    mirror, blocks.astype(mx.float32).transpose(0, 2, 1)[None], row_index(b0, n), 3
+                    mirror, blocks.astype(mx.float32).transpose(0, 2, 1)[None], block_rows, 3
                 )
         u.pooled_len = nb
 
