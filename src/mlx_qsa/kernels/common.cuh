@@ -30,6 +30,19 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
 
 __device__ __forceinline__ float bf_to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// Asynchronous 16-byte global -> shared copy (sm_80+); `valid` false zero-fills the destination.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes)
+               : "memory");
+}
+
+// Waits for every cp.async this thread issued (the caller then syncs the block).
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
 // Two floats rounded to bf16 in one 32-bit word, `lo` in the low half (an mma operand pair).
 __device__ __forceinline__ unsigned pack_bf2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -54,13 +67,16 @@ struct SelectResult {
 
 // Exact k-th largest of the keys that get(i, key) marks as participating, i in [0, n),
 // by four 8-bit radix passes. 1 <= k <= number of participants. All NT threads call it.
+// With last_shift 8 or 16 it stops early: t is then the k-th largest key with its low
+// last_shift bits cleared (a lower bound of it; k_rem and n_eq refer to that prefix).
 // hist: 256 words, ctl: 4 words of shared memory.
 template <int NT, typename Get>
-__device__ SelectResult block_select_desc(int n, int k, Get get, unsigned* hist, unsigned* ctl) {
+__device__ SelectResult block_select_desc(int n, int k, Get get, unsigned* hist, unsigned* ctl,
+                                          int last_shift = 0) {
   const int tid = threadIdx.x;
   unsigned prefix = 0, mask = 0;
   int krem = k, neq = 0;
-  for (int shift = 24; shift >= 0; shift -= 8) {
+  for (int shift = 24; shift >= last_shift; shift -= 8) {
     for (int i = tid; i < 256; i += NT) hist[i] = 0;
     __syncthreads();
     for (int base = 0; base < n; base += NT) {

@@ -5,18 +5,20 @@
 //    summ [S, npad / 32, L] uint32: the L largest order keys of each 32-block chunk, descending
 //    (0 = no block), nbs [S] int32: nb(row) = min((p + 1) / RATIO, cap).
 // One thread per block key, looping over the rows (S * HI <= 64); grid npad threads of 128.
-// Template: HI, RATIO, L.
-constexpr int DI = 128;
-__shared__ __align__(16) float qs[64 * DI];
+// A CTA's 128 key rows reach shared memory by cp.async in coalesced 16-byte pieces (a thread
+// reading its own 256-byte row fetches twice the sectors it uses and holds 64 registers of
+// it); rows are padded to 136 bf16 so the 16-byte reads of 8 consecutive threads hit distinct
+// banks. The dot products keep their order (d = 0..127), so the bits are unchanged.
+// Template: HI, RATIO, L; dynamic shared memory SCORE_SMEM_BYTES (selector.py).
+constexpr int DI = 128, NB = 128, KS = DI + 8;
+extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
+float* qs = reinterpret_cast<float*>(qsa_dyn_smem);  // qs[(r * HI + h) * DI + d], 64 rows
+__nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(qsa_dyn_smem + 64 * DI * 4);  // [NB][KS]
 __shared__ int nbs_s[64];
 const int tid = threadIdx.x;
 const int S = index_q_shape[2];
 const int cap = pooled_shape[1];
 const long long npad = ((long long)cap + 127) / 128 * 128;
-for (int i = tid; i < S * HI * DI; i += blockDim.x) {  // qs[(r * HI + h) * DI + d]
-  const int r = i / (HI * DI), h = (i / DI) % HI, d = i % DI;
-  qs[i] = qsa::bf_to_f(index_q[((long long)h * S + r) * DI + d]);
-}
 for (int r = tid; r < S; r += blockDim.x) {
   const int p = pos[r];
   const int nb = p >= 0 ? (p + 1) / RATIO : 0;
@@ -26,18 +28,25 @@ for (int r = tid; r < S; r += blockDim.x) {
 __syncthreads();
 int maxnb = 0;
 for (int r = 0; r < S; ++r) maxnb = max(maxnb, nbs_s[r]);
-const int b = blockIdx.x * blockDim.x + tid;
-if ((b & ~31) >= maxnb) return;  // whole warp past every row's blocks
+const int b0 = blockIdx.x * NB;
+if (b0 >= maxnb) return;  // the whole CTA is past every row's blocks
 
-uint4 kv[16];
-if (b < maxnb) {
-  const uint4* kp = reinterpret_cast<const uint4*>(pooled + (long long)b * DI);
-#pragma unroll
-  for (int c = 0; c < 16; ++c) kv[c] = kp[c];
-} else {
-#pragma unroll
-  for (int c = 0; c < 16; ++c) kv[c] = make_uint4(0u, 0u, 0u, 0u);
+const int nrows = min(NB, maxnb - b0);
+for (int i = tid; i < NB * (DI / 8); i += blockDim.x) {
+  const int kr = i / (DI / 8), c = i % (DI / 8);
+  const bool ok = kr < nrows;
+  qsa::cp_async16(ks + kr * KS + c * 8, pooled + (long long)(b0 + (ok ? kr : 0)) * DI + c * 8, ok);
 }
+for (int i = tid; i < S * HI * DI; i += blockDim.x) {  // overlaps the copies in flight
+  const int r = i / (HI * DI), h = (i / DI) % HI, d = i % DI;
+  qs[i] = qsa::bf_to_f(index_q[((long long)h * S + r) * DI + d]);
+}
+qsa::cp_async_wait_all();
+__syncthreads();
+
+const int b = b0 + tid;
+if ((b & ~31) >= maxnb) return;  // whole warp past every row's blocks (no barrier follows)
+const __nv_bfloat16* krow = ks + tid * KS;
 const int lane = tid & 31, chunk = b >> 5;
 for (int r = 0; r < S; ++r) {
   const bool ok = b < nbs_s[r];
@@ -47,10 +56,10 @@ for (int r = 0; r < S; ++r) {
 #pragma unroll
     for (int h = 0; h < HI; ++h) acc[h] = 0.f;
     // dot products in float32, d = 0..127 in order, from bf16 operands
-#pragma unroll
-    for (int c = 0; c < 16; ++c) {
+#pragma unroll 4
+    for (int c = 0; c < DI / 8; ++c) {
       float kf[8];
-      qsa::unpack8(kv[c], kf);
+      qsa::unpack8(*reinterpret_cast<const uint4*>(krow + c * 8), kf);
 #pragma unroll
       for (int h = 0; h < HI; ++h) {
         const float* qh = qs + (r * HI + h) * DI + c * 8;
@@ -164,47 +173,69 @@ const int nwords = (nb + 31) >> 5;
 for (int i = tid; i < nwords; i += NT) bitmap[i] = 0u;
 if (tid == 0) cand_n = 0;
 
-// 1. Lower bound u from the first Lu summaries of each chunk (about 2K of them).
+// 1. Lower bound u from the first Lu summaries of each chunk (about 2K of them), staged in
+// the candidate buffer (one coalesced read instead of one per radix pass). Two 8-bit passes
+// suffice: the 16-bit prefix of the K-th largest summary is still a lower bound of the K-th adj.
 int Lu = L;
 while (Lu > 1 && nwords * (Lu / 2) >= 2 * K) Lu >>= 1;
+const int nsum = nwords * Lu;
 unsigned u = 0u;
-if (nwords * Lu >= K) {
-  auto get_s = [&](int i, unsigned& key) {
-    key = summ_row[(i / Lu) * L + (i % Lu)];
-    return true;
-  };
-  u = qsa::block_select_desc<NT>(nwords * Lu, K, get_s, hist, ctl).t;
+if (nsum >= K) {
+  if (nsum <= CAP) {
+    for (int i = tid; i < nsum; i += NT) cand_key[i] = summ_row[(i / Lu) * L + (i % Lu)];
+    __syncthreads();
+    auto get_s = [&](int i, unsigned& key) {
+      key = cand_key[i];
+      return true;
+    };
+    u = qsa::block_select_desc<NT>(nsum, K, get_s, hist, ctl, 16).t;
+  } else {
+    auto get_s = [&](int i, unsigned& key) {
+      key = summ_row[(i / Lu) * L + (i % Lu)];
+      return true;
+    };
+    u = qsa::block_select_desc<NT>(nsum, K, get_s, hist, ctl, 16).t;
+  }
 }
 __syncthreads();
 
-// 2. Candidates: every block with adj >= u (all blocks when u == 0).
+// 2. Candidates: every block with adj >= u (all blocks when u == 0), U float4 loads of a
+// thread in flight at once (the scan is latency-bound: one CTA reads the row's whole plane).
+constexpr int U = 4;
 const bool take_all = (u == 0u);
 const float uf = qsa::key_float(u);
-for (int base = 0; base < nb; base += NT * 4) {
-  const int b0 = base + tid * 4;
-  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (b0 < nb) v = *reinterpret_cast<const float4*>(adj_row + b0);
-  const float vals[4] = {v.x, v.y, v.z, v.w};
-  bool tk[4];
-  bool any = false;
+for (int base = 0; base < nb; base += NT * 4 * U) {
+  float4 v[U];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    tk[e] = (b0 + e < nb) && (take_all || vals[e] >= uf);
-    any = any || tk[e];
+  for (int j = 0; j < U; ++j) {
+    const int b0 = base + (j * NT + tid) * 4;
+    v[j] = b0 < nb ? *reinterpret_cast<const float4*>(adj_row + b0) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  if (__any_sync(qsa::FULL_MASK, any)) {
+#pragma unroll
+  for (int j = 0; j < U; ++j) {
+    const int b0 = base + (j * NT + tid) * 4;
+    const float vals[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+    bool tk[4];
+    bool any = false;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const unsigned bal = __ballot_sync(qsa::FULL_MASK, tk[e]);
-      if (bal != 0u) {
-        int basepos = 0;
-        if (lane == 0) basepos = atomicAdd(&cand_n, __popc(bal));
-        basepos = __shfl_sync(qsa::FULL_MASK, basepos, 0);
-        if (tk[e]) {
-          const int slot = basepos + __popc(bal & ((1u << lane) - 1u));
-          if (slot < CAP) {
-            cand_key[slot] = qsa::ord_key(vals[e]);
-            cand_id[slot] = b0 + e;
+      tk[e] = (b0 + e < nb) && (take_all || vals[e] >= uf);
+      any = any || tk[e];
+    }
+    if (__any_sync(qsa::FULL_MASK, any)) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const unsigned bal = __ballot_sync(qsa::FULL_MASK, tk[e]);
+        if (bal != 0u) {
+          int basepos = 0;
+          if (lane == 0) basepos = atomicAdd(&cand_n, __popc(bal));
+          basepos = __shfl_sync(qsa::FULL_MASK, basepos, 0);
+          if (tk[e]) {
+            const int slot = basepos + __popc(bal & ((1u << lane) - 1u));
+            if (slot < CAP) {
+              cand_key[slot] = qsa::ord_key(vals[e]);
+              cand_id[slot] = b0 + e;
+            }
           }
         }
       }

@@ -18,6 +18,8 @@ _MODES = ("blocks", "row_tokens")
 _L = 8  # summaries kept per 32-block chunk by the score pass
 _CAP = 4096  # candidates the top-k pass keeps in shared memory
 _NT_TOPK = 512
+# Score pass: float queries for S * H_I <= 64 rows, then 128 staged key rows padded to 136 bf16.
+SCORE_SMEM_BYTES = 64 * 128 * 4 + 128 * 136 * 2
 
 
 def _check(fn: str, index_q, pooled, pos, block_topk: int, ratio: int, mode: str) -> None:
@@ -135,7 +137,9 @@ def selector_unsupported(
     limits = device.resolve(limits)
     if limits is not None:
         npad = -(-max(n_blocks, 1) // 128) * 128
-        return device.shared_memory_unsupported(limits, topk_smem_bytes(npad), "the top-k pass")
+        return device.shared_memory_unsupported(
+            limits, SCORE_SMEM_BYTES, "the score pass"
+        ) or device.shared_memory_unsupported(limits, topk_smem_bytes(npad), "the top-k pass")
     return None
 
 
@@ -159,9 +163,10 @@ def select_blocks_cuda(
     ``index_q`` is ``[S, H_I, d_I]`` as for the twin, or the layer's ``[1, H_I, S, d_I]`` (read
     in place).
 
-    Pass 1 scores every block key once for all rows (one thread per block, many CTAs) and keeps
-    per-chunk summaries; pass 2 (one CTA per row) bounds the K-th score from the summaries,
-    gathers the few candidates above it into shared memory and radix-selects them exactly.
+    Pass 1 scores every block key once for all rows (one thread per block, many CTAs, the keys
+    staged in shared memory) and keeps per-chunk summaries; pass 2 (one CTA per row) bounds the
+    K-th score from the summaries, gathers the few candidates above it into shared memory and
+    radix-selects them exactly.
     """
     fn = "select_blocks_cuda"
     q4 = None
@@ -188,6 +193,7 @@ def select_blocks_cuda(
         ("index_q", "pooled", "pos"),
         ("adj", "summ", "nbs"),
         (),
+        shared_memory=SCORE_SMEM_BYTES,
         ensure_row_contiguous=True,
     )
     adj, summ, nbs = score(
