@@ -287,9 +287,10 @@ REAL_CTX = [2051, 2052, 2055, 8192, 32768, 131072]
 
 
 @needs_cuda
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one", "two"])
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])
 @pytest.mark.parametrize("ctx", REAL_CTX)
-def test_select_cuda_real_geometry(ctx, rows):
+def test_select_cuda_real_geometry(ctx, rows, one_launch):
     rng = np.random.default_rng([17, ctx, rows])
     pos = [ctx - rows + i for i in range(rows)]
     nb_max = (pos[-1] + 1) // 4
@@ -298,7 +299,7 @@ def test_select_cuda_real_geometry(ctx, rows):
     pm = mx.array(pos, dtype=mx.int32)
     mode = "blocks" if rows == 1 else "row_tokens"
     poison(((rows, 512 * 4 + 4), None), ((rows, 512), None), ((rows, cap), None))
-    out = select_blocks_cuda(qm, km, pm, mode=mode)
+    out = select_blocks_cuda(qm, km, pm, mode=mode, one_launch=one_launch)
     twin = select_blocks_portable(qm, km, pm, mode=mode)
     mx.eval(out, twin)
     np.testing.assert_array_equal(np.array(out[1]), np.array(twin[1]))
@@ -325,7 +326,8 @@ def test_select_cuda_real_geometry(ctx, rows):
         ("int1", 8192, 4),
     ],
 )
-def test_select_cuda_ties(kind, ctx, rows):
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one", "two"])
+def test_select_cuda_ties(kind, ctx, rows, one_launch):
     """Exact ties: small-integer inputs (exact dots, many equal scores), identical block keys
     (all candidates tie: the streaming fallback), and a zero query (scores 0, adj decides)."""
     rng = np.random.default_rng([19, ctx, rows, len(kind)])
@@ -344,7 +346,7 @@ def test_select_cuda_ties(kind, ctx, rows):
         q[:] = 0.0
         qm = bf16(q)
     pm = mx.array(pos, dtype=mx.int32)
-    out = select_blocks_cuda(qm, km, pm, mode="row_tokens")
+    out = select_blocks_cuda(qm, km, pm, mode="row_tokens", one_launch=one_launch)
     mx.eval(out)
     check_selection(out, ref_select(ref_adj(q, k), pos, 512, 4), exact_scores=True)
     twin = select_blocks_portable(qm, km, pm, mode="row_tokens")
@@ -547,7 +549,40 @@ def test_flash_one_launch_matches_two_launches(T):
         np.testing.assert_array_equal(to_np(o), to_np(r))
     from mlx_qsa.kernels import _launch
 
-    assert not np.array(_launch._counters["pool"]).any()  # every slot left zeroed
+    assert not any(np.array(c).any() for c in _launch._counters["slots"])  # every slot zeroed
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["blocks", "row_tokens"])
+@pytest.mark.parametrize("ctx,rows", [(37, 1), (2052, 8), (8192, 3), (32771, 1), (131072, 2)])
+def test_select_one_launch_matches_two_launches(ctx, rows, mode):
+    """The one-launch selector (the last S scoring CTAs run the top-k) gives the two kernels'
+    bits, launch after launch, also for independent launches in one evaluation (concurrent
+    graph nodes), and leaves every counter slot zeroed."""
+    rng = np.random.default_rng([53, ctx, rows])
+    pos = [ctx - rows + i for i in range(rows)]
+    nb_max = (pos[-1] + 1) // 4
+    cap = bucket(max(nb_max, 1))
+    _, _, qm, km = make_selector_inputs(rng, rows, 4, cap, nb_max)
+    pm = mx.array(pos, dtype=mx.int32)
+    poison(((rows, cap), None), ((rows, 512 * 4 + 4), None))
+    two = select_blocks_cuda(qm, km, pm, mode=mode, one_launch=False)
+    mx.eval(two)
+    for _ in range(3):
+        one = select_blocks_cuda(qm, km, pm, mode=mode, one_launch=True)
+        mx.eval(one)
+        for a, b in zip(one, two, strict=True):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+    qs = [bf16(rng.standard_normal(qm.shape, dtype=F32)) for _ in range(6)]
+    ones = [select_blocks_cuda(qi, km, pm, mode=mode, one_launch=True) for qi in qs]
+    twos = [select_blocks_cuda(qi, km, pm, mode=mode, one_launch=False) for qi in qs]
+    mx.eval(ones, twos)
+    for o, t in zip(ones, twos, strict=True):
+        for a, b in zip(o, t, strict=True):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+    from mlx_qsa.kernels import _launch
+
+    assert not any(np.array(c).any() for c in _launch._counters["slots"])  # every slot zeroed
 
 
 @needs_cuda

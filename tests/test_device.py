@@ -126,18 +126,67 @@ def test_dynamic_smem_request_opts_in_near_the_default_limit():
 
 
 def test_counter_slots_rotate():
+    from mlx_qsa.bench import primitive_counts
     from mlx_qsa.kernels import _launch
 
     a, b = _launch.counter_slot(), _launch.counter_slot()
     assert a.shape == (2,) and a.dtype == mx.int32 and not a.any().item()
-    pool = _launch._counters["pool"]
-    assert pool.shape == (2 * _launch._COUNTER_SLOTS,)
+    assert b is not a
+    # made and evaluated once: a step's graph gains no slice or fill for its counters
+    assert primitive_counts(_launch.counter_slot())["total"] == 0
     starts = {(_launch._counters["next"] - 1) % _launch._COUNTER_SLOTS}
     for _ in range(_launch._COUNTER_SLOTS - 1):
         _launch.counter_slot()
         starts.add((_launch._counters["next"] - 1) % _launch._COUNTER_SLOTS)
     assert len(starts) == _launch._COUNTER_SLOTS  # every slot used once before any repeats
-    del b
+
+
+def test_plans_made_once_per_signature_and_never_for_bad_input(monkeypatch):
+    from mlx_qsa.kernels import _launch
+
+    plans, made = _launch.Plans(), []
+
+    def make(tag):
+        def mk():
+            made.append(tag)
+            return lambda arrays: tag
+
+        return mk
+
+    a, b = mx.zeros((2, 3), mx.bfloat16), mx.zeros((2, 3), mx.float32)
+    sa, sb = _launch.signature((a,), 0.5), _launch.signature((b,), 0.5)
+    assert sa != sb and sa != _launch.signature((a,), 0.25)
+    assert plans.get(sa, make("a"))([]) == "a" and plans.get(sa, make("x"))([]) == "a"
+    assert made == ["a"]
+
+    def bad():
+        raise ValueError("q must be [1, H, S, d]")
+
+    with pytest.raises(ValueError, match="q must be"):
+        plans.get(sb, bad)
+    assert plans.get(sb, make("b"))([]) == "b"  # the failed plan left nothing behind
+    monkeypatch.setattr(_launch, "_PLAN_MAX", 2)
+    plans.get(("c",), make("c"))
+    assert plans.get(sa, make("a2"))([]) == "a2"  # the oldest plan went first
+    assert plans.get(("c",), make("c2"))([]) == "c"
+
+
+def test_selector_one_launch_rule(monkeypatch):
+    from mlx_qsa.kernels import selector
+
+    small = DeviceLimits((8, 6), 101_376)  # an L40S-class opt-in limit
+    assert selector.one_launch_default(2048, HOPPER)
+    assert selector.one_launch_default(selector.FUSED_MAX_BLOCKS, HOPPER)
+    assert not selector.one_launch_default(selector.FUSED_MAX_BLOCKS + 128, HOPPER)
+    # 102400 bytes of scoring CTA do not fit 99 KiB: the two kernels run instead
+    assert selector.fused_smem_bytes(2048) > small.max_shared_memory
+    assert not selector.one_launch_default(2048, small)
+    monkeypatch.delenv("MLX_QSA_SELECT_ONE_LAUNCH", raising=False)
+    assert selector.select_one_launch_env() is None
+    monkeypatch.setenv("MLX_QSA_SELECT_ONE_LAUNCH", "0")
+    assert selector.select_one_launch_env() is False
+    monkeypatch.setenv("MLX_QSA_SELECT_ONE_LAUNCH", "1")
+    assert selector.select_one_launch_env() is True
 
 
 def test_one_launch_rule(monkeypatch):

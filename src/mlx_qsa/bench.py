@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -41,7 +42,13 @@ from . import plan
 from .cache import QSACache
 from .config import QSAConfig, QSAOptions
 from .consumers import dispatch
-from .indexer import Selection, block_penalty, row_token_slots, select_rows
+from .indexer import (
+    Selection,
+    block_penalty,
+    cuda_selector_supports,
+    row_token_slots,
+    select_rows,
+)
 from .layer import QSAAttention
 from .rope import text_rope
 from .sweep import backend_name, environment
@@ -168,32 +175,35 @@ class DecodeSet:
 
 
 def qsa_step(cfg: QSAConfig, s: DecodeSet, impl: str) -> tuple[mx.array, Selection]:
-    """Selection + attention of the rows, as the layer runs them (RUNTIME.md §5–§8)."""
+    """Selection + attention of the rows, as the layer runs them (RUNTIME.md §5–§8): the
+    options, capabilities and consumer plan are the layer's (held, not remade per step)."""
     r, K = cfg.indexer_compress_ratio, cfg.block_topk
     P = s.T - s.rows
-    keys_t = s.pooled[0].astype(mx.float32).T  # the portable scorer's operand (lazy)
+    if impl == "cuda" and cuda_selector_supports(s.index_q, s.pooled):
+        keys_t = penalty = None  # the portable scorer's operands: not part of this graph
+    else:
+        keys_t = s.pooled[0].astype(mx.float32).T
+        penalty = block_penalty(keys_t.shape[1])
     ids, valid, scores = select_rows(
-        s.index_q,
-        keys_t,
-        block_penalty(keys_t.shape[1]),
-        s.positions,
-        r,
-        K,
-        s.rows,
-        s.pooled,
-        impl,
+        s.index_q, keys_t, penalty, s.positions, r, K, s.rows, s.pooled, impl
     )
-    call = plan.CallShape(s.rows, P, r, K)
     if s.rows == 1:
         sel = Selection("blocks", ids=ids, valid=valid, scores=scores, tail_start=s.T // r * r)
     else:
         slots, slot_valid = row_token_slots(ids, valid, s.positions, r)
         sel = Selection("row_tokens", ids=ids, valid=valid, slots=slots, slot_valid=slot_valid)
-    cplan = plan.plan_consumers(
-        QSAOptions(), plan.Capabilities.portable(), call, sel.kind, has_indexer=True
-    )
+    cplan = _consumer_plan(plan.CallShape(s.rows, P, r, K), sel.kind)
     o = dispatch(cplan, s.q, s.keys, s.values, sel, s.positions, s.T, r, cfg.scale, impl)
     return o, sel
+
+
+@functools.lru_cache(maxsize=256)
+def _consumer_plan(call: plan.CallShape, kind: str) -> plan.ConsumerPlan:
+    """The library defaults' consumer plan (pure: made once per call shape, as a layer would
+    keep its options and capabilities)."""
+    return plan.plan_consumers(
+        QSAOptions(), plan.Capabilities.portable(), call, kind, has_indexer=True
+    )
 
 
 def primitive_counts(*arrays: mx.array) -> dict[str, Any]:

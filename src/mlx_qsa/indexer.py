@@ -7,6 +7,7 @@ selections and states agree bit for bit. None of them reads a value back to the 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -173,8 +174,8 @@ def top_blocks(adj: mx.array, nb_rows: mx.array, k: int) -> tuple[mx.array, mx.a
 
 def select_rows(
     q: mx.array,
-    keys_t: mx.array,
-    penalty: mx.array,
+    keys_t: mx.array | None,
+    penalty: mx.array | None,
     positions: mx.array,
     ratio: int,
     k: int,
@@ -187,7 +188,8 @@ def select_rows(
     q `[1, H_I, S, d_I]`, keys_t `[d_I, N]` float32, positions int32 `[S]`; returns the
     `top_blocks` triple for all S rows. With `impl="cuda"` and the `pooled` backing
     `[1, N, d_I]` (the bf16 rows keys_t mirrors), short calls run the CUDA selector, the one
-    score routine every path of that backend uses (RUNTIME.md §10.5).
+    score routine every path of that backend uses (RUNTIME.md §10.5); keys_t and penalty may
+    then be None.
     """
     if impl == "cuda" and pooled is not None and cuda_selector_supports(q, pooled):
         from .kernels.selector import select_blocks_cuda
@@ -213,13 +215,18 @@ def select_rows(
 
 def cuda_selector_supports(q: mx.array, pooled: mx.array) -> bool:
     """Whether the CUDA selector covers q `[1, H_I, S, d_I]` against these block keys (its
-    launcher's own rule)."""
+    launcher's own rule; decided once per shape, since every layer asks at every step)."""
+    return _selector_supports(q.shape, q.dtype, pooled.shape, pooled.dtype)
+
+
+@functools.lru_cache(maxsize=512)
+def _selector_supports(q_shape: tuple, q_dtype, pooled_shape: tuple, pooled_dtype) -> bool:
     from .kernels.selector import selector_unsupported
 
-    _, n_heads, S, d_i = q.shape
-    if pooled.dtype != q.dtype or pooled.shape[2] != d_i:
+    _, n_heads, S, d_i = q_shape
+    if pooled_dtype != q_dtype or pooled_shape[2] != d_i:
         return False
-    return selector_unsupported(q.dtype, S, n_heads, d_i, pooled.shape[1]) is None
+    return selector_unsupported(q_dtype, S, n_heads, d_i, pooled_shape[1]) is None
 
 
 @dataclass

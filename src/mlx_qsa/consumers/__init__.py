@@ -8,6 +8,8 @@ kernel per tile); the plan itself never depends on `impl`.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from .. import plan
@@ -30,12 +32,17 @@ __all__ = [
 
 def cuda_attention_supports(q: mx.array, keys: mx.array) -> bool:
     """Whether the CUDA flash / rows-gather kernels cover these shapes (their launchers'
-    own rule; flash also needs the ratio to divide its token tile)."""
+    own rule; flash also needs the ratio to divide its token tile). Decided once per shape."""
+    return _attention_supports(q.dtype, keys.dtype, q.shape[1], keys.shape[1], q.shape[-1])
+
+
+@functools.lru_cache(maxsize=512)
+def _attention_supports(q_dtype, k_dtype, n_heads: int, n_kv: int, d: int) -> bool:
     from ..kernels._launch import attention_unsupported
 
-    if keys.dtype != q.dtype:
+    if k_dtype != q_dtype:
         return False
-    return attention_unsupported(q.dtype, q.shape[1], keys.shape[1], q.shape[-1]) is None
+    return attention_unsupported(q_dtype, n_heads, n_kv, d) is None
 
 
 def dispatch(

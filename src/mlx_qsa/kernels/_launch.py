@@ -13,7 +13,9 @@ import functools
 import hashlib
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -72,15 +74,18 @@ def build(
     ensure_row_contiguous: bool = False,
     prefix: str = "",
 ):
-    """One ``mx.fast.cuda_kernel`` per (source section, key, shared memory).
+    """One ``mx.fast.cuda_kernel`` per (source section, key, shared memory); ``section`` may
+    join sections with ``+`` (a kernel made of a preamble and a shared fragment).
 
     ``prefix`` (e.g. ``#define`` lines) goes in front of the body; template values are passed at
     call time (MLX compiles, and names, one module per distinct set).
     """
     shared_memory = device.dynamic_smem_request(shared_memory)
-    source = prefix + kernel_sections(filename)[section]
+    sections = kernel_sections(filename)
+    source = prefix + "".join(sections[part] for part in section.split("+"))
     header = common_header()
-    name = kernel_name(f"{section}_{_digest(header, source)}", key + (shared_memory,))
+    base = section.replace("+", "_")
+    name = kernel_name(f"{base}_{_digest(header, source)}", key + (shared_memory,))
     return mx.fast.cuda_kernel(
         name=name,
         input_names=list(inputs),
@@ -102,37 +107,78 @@ def one_launch_default(rows: int, d: int) -> bool:
     at 128K queued 55 us against 58 us; 8 rows, a 3x longer merge on 64 CTAs, 67 against 60 us).
     ``MLX_QSA_ONE_LAUNCH=0`` keeps the separate merge kernel (same bits), for side-by-side
     timing."""
-    if os.environ.get("MLX_QSA_ONE_LAUNCH", "1") == "0":
+    if one_launch_env() is False:
         return False
     return rows * d <= MERGERS_MAX * ATTN_THREADS
 
 
+def one_launch_env() -> bool | None:
+    """False when ``MLX_QSA_ONE_LAUNCH=0`` keeps the separate merge kernel, else None (each
+    launcher's own default); part of a launch plan's signature."""
+    return False if os.environ.get("MLX_QSA_ONE_LAUNCH", "1") == "0" else None
+
+
 _COUNTER_SLOTS = 1024
-_counters: dict = {"pool": None, "next": 0}
+_counters: dict = {"slots": None, "next": 0}
 
 
 def counter_slot() -> mx.array:
     """Two zeroed int32 of a persistent pool, for one launch of a kernel that hands off between
     its CTAs (``qsa::merge_when_done``); the kernel leaves them zeroed again.
 
-    A view of the pool, not a fresh ``mx.zeros`` (a fill is one more primitive and GPU node per
-    step). Slots rotate, so launches MLX may run concurrently (no data dependency between them,
-    in one CUDA graph) get distinct counters unless over ``_COUNTER_SLOTS`` are in flight.
+    An evaluated view of the pool, made once: neither a fresh ``mx.zeros`` nor a slice per call
+    (each is one more primitive, and host time, per step). Slots rotate, so launches MLX may run
+    concurrently (no data dependency between them, in one CUDA graph) get distinct counters
+    unless over ``_COUNTER_SLOTS`` are in flight.
     """
-    pool = _counters["pool"]
-    if pool is None:
+    slots = _counters["slots"]
+    if slots is None:
         pool = mx.zeros((2 * _COUNTER_SLOTS,), dtype=mx.int32)
-        mx.eval(pool)
-        _counters["pool"] = pool
+        slots = [pool[2 * i : 2 * i + 2] for i in range(_COUNTER_SLOTS)]
+        mx.eval(slots)
+        _counters["slots"] = slots
     i = _counters["next"]
     _counters["next"] = (i + 1) % _COUNTER_SLOTS
-    return pool[2 * i : 2 * i + 2]
+    return slots[i]
 
 
-def split_k(
+# ---- plan / run -------------------------------------------------------------------------------
+# A launcher checks its arguments, sizes its grid and template and finds its kernels once per
+# signature (the arrays' shapes and dtypes and the call's options): the plan. Later calls with
+# the same signature only run it (FlashInfer's plan/run split): a decode step re-checks
+# nothing, since each check and each attribute read is host time on every layer and step.
+
+Run = Callable[[list], Any]
+_PLAN_MAX = 512
+
+
+class Plans:
+    """Planned launches of one launcher by signature (bounded; the oldest plan goes first)."""
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple, Run] = {}
+
+    def get(self, sig: tuple, make: Callable[[], Run]) -> Run:
+        run = self._runs.get(sig)
+        if run is None:
+            run = make()  # raises on bad input: nothing is stored
+            if len(self._runs) >= _PLAN_MAX:
+                self._runs.pop(next(iter(self._runs)))
+            self._runs[sig] = run
+        return run
+
+    def clear(self) -> None:
+        self._runs.clear()
+
+
+def signature(arrays: tuple, *options) -> tuple:
+    """What a plan depends on: each array's shape and dtype, and the options."""
+    return tuple((a.shape, a.dtype) for a in arrays) + options
+
+
+def plan_split_k(
     filename: str,
     inputs: tuple[str, ...],
-    arrays: list,
     template: list,
     *,
     n_cta: int,
@@ -142,15 +188,16 @@ def split_k(
     shared_memory: int,
     out_dtype,
     one_launch: bool,
-) -> mx.array:
-    """Runs the ``partial`` section of a split-K attention file over ``n_cta`` CTAs of
-    ``ATTN_THREADS`` and merges its ``rows`` x ``nsplit`` partials into ``out_shape``: in the
+) -> Run:
+    """The run of a split-K attention file's ``partial`` section over ``n_cta`` CTAs of
+    ``ATTN_THREADS``, merging its ``rows`` x ``nsplit`` partials into ``out_shape``: in the
     same launch (``one_launch``: ``QSA_FUSED``, a counter slot as the last input) or with the
     file's ``merge`` kernel."""
     d = out_shape[-1]
     part_shapes = [(rows, nsplit, d), (rows, nsplit, 2)]
     f32 = [mx.float32, mx.float32]
     grid = (n_cta * ATTN_THREADS, 1, 1)
+    block = (ATTN_THREADS, 1, 1)
     if one_launch:
         fused = build(
             filename,
@@ -161,32 +208,43 @@ def split_k(
             shared_memory=shared_memory,
             prefix="#define QSA_FUSED\n",
         )
-        return fused(
-            inputs=arrays + [counter_slot()],
+        shapes = part_shapes + [out_shape]
+        dtypes = f32 + [out_dtype]
+
+        def run_fused(arrays: list) -> mx.array:
+            return fused(
+                inputs=arrays + [counter_slot()],
+                template=template,
+                grid=grid,
+                threadgroup=block,
+                output_shapes=shapes,
+                output_dtypes=dtypes,
+            )[2]
+
+        return run_fused
+    partial = build(filename, "partial", inputs, ("part_o", "part_ml"), (), shared_memory)
+    merge = build(filename, "merge", ("part_o", "part_ml"), ("out",), ())
+    merge_template = [("D", d), ("NSPLIT", nsplit)]
+
+    def run_two(arrays: list) -> mx.array:
+        part_o, part_ml = partial(
+            inputs=arrays,
             template=template,
             grid=grid,
-            threadgroup=(ATTN_THREADS, 1, 1),
-            output_shapes=part_shapes + [out_shape],
-            output_dtypes=f32 + [out_dtype],
-        )[2]
-    partial = build(filename, "partial", inputs, ("part_o", "part_ml"), (), shared_memory)
-    part_o, part_ml = partial(
-        inputs=arrays,
-        template=template,
-        grid=grid,
-        threadgroup=(ATTN_THREADS, 1, 1),
-        output_shapes=part_shapes,
-        output_dtypes=f32,
-    )
-    merge = build(filename, "merge", ("part_o", "part_ml"), ("out",), ())
-    return merge(
-        inputs=[part_o, part_ml],
-        template=[("D", d), ("NSPLIT", nsplit)],
-        grid=(rows * d, 1, 1),
-        threadgroup=(64, 1, 1),
-        output_shapes=[out_shape],
-        output_dtypes=[out_dtype],
-    )[0]
+            threadgroup=block,
+            output_shapes=part_shapes,
+            output_dtypes=f32,
+        )
+        return merge(
+            inputs=[part_o, part_ml],
+            template=merge_template,
+            grid=(rows * d, 1, 1),
+            threadgroup=(64, 1, 1),
+            output_shapes=[out_shape],
+            output_dtypes=[out_dtype],
+        )[0]
+
+    return run_two
 
 
 def require_cuda(fn: str) -> None:

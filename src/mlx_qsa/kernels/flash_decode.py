@@ -108,6 +108,24 @@ def flash_decode_cuda(
     if (T is None) == (pos is None):
         raise ValueError(f"{fn}: pass exactly one of T and pos")
     tlen = T if T is not None else pos
+    arrays = [q, keys, values, block_ids, block_valid, tlen]
+    launch = _launch.one_launch_env() if one_launch is None else one_launch
+    sig = _launch.signature(tuple(arrays), scale, ratio, T is None, launch)
+    run = _PLANS.get(
+        sig, lambda: _plan(fn, q, keys, values, block_ids, block_valid, tlen, T is None, scale,
+                           ratio, one_launch)
+    )  # fmt: skip
+    return run(arrays)
+
+
+_PLANS = _launch.Plans()
+
+
+def _plan(
+    fn: str, q, keys, values, block_ids, block_valid, tlen, toff: bool, scale: float, ratio: int,
+    one_launch: bool | None,
+) -> _launch.Run:  # fmt: skip
+    """Checks a call's arguments and plans its launch (once per signature)."""
     if block_ids.ndim == 2 and block_ids.shape[0] == 1 and block_valid.shape == block_ids.shape:
         ids1, ok1 = block_ids[0], block_valid[0]  # views, for the checks only
     else:
@@ -130,12 +148,11 @@ def flash_decode_cuda(
         ("NSPLIT", nsplit),
         ("SCALE_BITS", _launch.float_bits(scale)),
         ("NT", nt),
-        ("TOFF", 0 if T is not None else 1),
+        ("TOFF", 1 if toff else 0),
     ]
-    return _launch.split_k(
+    return _launch.plan_split_k(
         "flash_decode.cu",
         ("q", "keys", "values", "block_ids", "block_valid", "tlen"),
-        [q, keys, values, block_ids, block_valid, tlen],
         template,
         n_cta=n_kv * nsplit,
         rows=n_heads,

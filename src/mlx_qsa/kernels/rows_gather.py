@@ -70,6 +70,20 @@ def rows_gather_cuda(
     with ``one_launch``, else by a second kernel; the same bits).
     """
     fn = "rows_gather_cuda"
+    arrays = [q, keys, values, slots, slot_valid]
+    launch = _launch.one_launch_env() if one_launch is None else one_launch
+    sig = _launch.signature(tuple(arrays), scale, launch)
+    run = _PLANS.get(sig, lambda: _plan(fn, q, keys, values, slots, slot_valid, scale, one_launch))
+    return run(arrays)
+
+
+_PLANS = _launch.Plans()
+
+
+def _plan(
+    fn: str, q, keys, values, slots, slot_valid, scale: float, one_launch: bool | None
+) -> _launch.Run:
+    """Checks a call's arguments and plans its launch (once per signature)."""
     n_heads, rows, n_kv, d = _check(fn, q, keys, values, slots, slot_valid)
     _launch.require_cuda(fn)
     _launch.check_cuda_attention(fn, q, n_heads, n_kv, d, scale)
@@ -90,10 +104,9 @@ def rows_gather_cuda(
         ("SCALE_BITS", _launch.float_bits(scale)),
         ("NT", nt),
     ]
-    return _launch.split_k(
+    return _launch.plan_split_k(
         "rows_gather.cu",
         ("q", "keys", "values", "slots", "slot_valid"),
-        [q, keys, values, slots, slot_valid],
         template,
         n_cta=rows * n_kv * nsplit,
         rows=n_heads * rows,

@@ -4,16 +4,19 @@
 // -> adj [S, npad] float32 (only b < nb(row) written; npad = cap rounded up to 128),
 //    summ [S, npad / 32, L] uint32: the L largest order keys of each 32-block chunk, descending
 //    (0 = no block), nbs [S] int32: nb(row) = min((p + 1) / RATIO, cap).
-// One thread per block key, looping over the rows (S * HI <= 64); grid npad threads of 128.
-// A CTA's 128 key rows reach shared memory by cp.async in coalesced 16-byte pieces (a thread
+// One thread per block key, looping over the rows (S * HI <= 64); CTAs of NT threads.
+// A CTA's NT key rows reach shared memory by cp.async in coalesced 16-byte pieces (a thread
 // reading its own 256-byte row fetches twice the sectors it uses and holds 64 registers of
 // it); rows are padded to 136 bf16 so the 16-byte reads of 8 consecutive threads hit distinct
 // banks. The dot products keep their order (d = 0..127), so the bits are unchanged.
-// Template: HI, RATIO, L; dynamic shared memory SCORE_SMEM_BYTES (selector.py).
-constexpr int DI = 128, NB = 128, KS = DI + 8;
+// With QSA_FUSED (one launch: inputs + ctr [2] int32 of a zeroed pool, outputs + the top-k's),
+// the last S CTAs to finish scoring each take one row and run the `select` section below on
+// it: the selector is one MLX primitive instead of two, with the same bits.
+// Template: HI, RATIO, L, NT; dynamic shared memory score_smem_bytes(NT) (selector.py).
+constexpr int DI = 128, KS = DI + 8;
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 float* qs = reinterpret_cast<float*>(qsa_dyn_smem);  // qs[(r * HI + h) * DI + d], 64 rows
-__nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(qsa_dyn_smem + 64 * DI * 4);  // [NB][KS]
+__nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(qsa_dyn_smem + 64 * DI * 4);  // [NT][KS]
 __shared__ int nbs_s[64];
 const int tid = threadIdx.x;
 const int S = index_q_shape[2];
@@ -28,83 +31,119 @@ for (int r = tid; r < S; r += blockDim.x) {
 __syncthreads();
 int maxnb = 0;
 for (int r = 0; r < S; ++r) maxnb = max(maxnb, nbs_s[r]);
-const int b0 = blockIdx.x * NB;
-if (b0 >= maxnb) return;  // the whole CTA is past every row's blocks
+const int b0 = blockIdx.x * NT;
+if (b0 < maxnb) {  // else the whole CTA is past every row's blocks
+  const int nrows = min(NT, maxnb - b0);
+  for (int i = tid; i < NT * (DI / 8); i += blockDim.x) {
+    const int kr = i / (DI / 8), c = i % (DI / 8);
+    const bool ok = kr < nrows;
+    qsa::cp_async16(ks + kr * KS + c * 8, pooled + (long long)(b0 + (ok ? kr : 0)) * DI + c * 8, ok);
+  }
+  for (int i = tid; i < S * HI * DI; i += blockDim.x) {  // overlaps the copies in flight
+    const int r = i / (HI * DI), h = (i / DI) % HI, d = i % DI;
+    qs[i] = qsa::bf_to_f(index_q[((long long)h * S + r) * DI + d]);
+  }
+  qsa::cp_async_wait_all();
+  __syncthreads();
 
-const int nrows = min(NB, maxnb - b0);
-for (int i = tid; i < NB * (DI / 8); i += blockDim.x) {
-  const int kr = i / (DI / 8), c = i % (DI / 8);
-  const bool ok = kr < nrows;
-  qsa::cp_async16(ks + kr * KS + c * 8, pooled + (long long)(b0 + (ok ? kr : 0)) * DI + c * 8, ok);
-}
-for (int i = tid; i < S * HI * DI; i += blockDim.x) {  // overlaps the copies in flight
-  const int r = i / (HI * DI), h = (i / DI) % HI, d = i % DI;
-  qs[i] = qsa::bf_to_f(index_q[((long long)h * S + r) * DI + d]);
-}
-qsa::cp_async_wait_all();
-__syncthreads();
-
-const int b = b0 + tid;
-if ((b & ~31) >= maxnb) return;  // whole warp past every row's blocks (no barrier follows)
-const __nv_bfloat16* krow = ks + tid * KS;
-const int lane = tid & 31, chunk = b >> 5;
-for (int r = 0; r < S; ++r) {
-  const bool ok = b < nbs_s[r];
-  unsigned key = 0u;
-  if (ok) {
-    float acc[HI];
+  const int b = b0 + tid;
+  if ((b & ~31) < maxnb) {  // else the whole warp is past every row's blocks
+    const __nv_bfloat16* krow = ks + tid * KS;
+    const int lane = tid & 31, chunk = b >> 5;
+    for (int r = 0; r < S; ++r) {
+      const bool ok = b < nbs_s[r];
+      unsigned key = 0u;
+      if (ok) {
+        float acc[HI];
 #pragma unroll
-    for (int h = 0; h < HI; ++h) acc[h] = 0.f;
-    // dot products in float32, d = 0..127 in order, from bf16 operands
+        for (int h = 0; h < HI; ++h) acc[h] = 0.f;
+        // dot products in float32, d = 0..127 in order, from bf16 operands
 #pragma unroll 4
-    for (int c = 0; c < DI / 8; ++c) {
-      float kf[8];
-      qsa::unpack8(*reinterpret_cast<const uint4*>(krow + c * 8), kf);
+        for (int c = 0; c < DI / 8; ++c) {
+          float kf[8];
+          qsa::unpack8(*reinterpret_cast<const uint4*>(krow + c * 8), kf);
 #pragma unroll
-      for (int h = 0; h < HI; ++h) {
-        const float* qh = qs + (r * HI + h) * DI + c * 8;
-        const float4 qa = *reinterpret_cast<const float4*>(qh);
-        const float4 qb = *reinterpret_cast<const float4*>(qh + 4);
-        float a = acc[h];
-        a = fmaf(qa.x, kf[0], a); a = fmaf(qa.y, kf[1], a);
-        a = fmaf(qa.z, kf[2], a); a = fmaf(qa.w, kf[3], a);
-        a = fmaf(qb.x, kf[4], a); a = fmaf(qb.y, kf[5], a);
-        a = fmaf(qb.z, kf[6], a); a = fmaf(qb.w, kf[7], a);
-        acc[h] = a;
+          for (int h = 0; h < HI; ++h) {
+            const float* qh = qs + (r * HI + h) * DI + c * 8;
+            const float4 qa = *reinterpret_cast<const float4*>(qh);
+            const float4 qb = *reinterpret_cast<const float4*>(qh + 4);
+            float a = acc[h];
+            a = fmaf(qa.x, kf[0], a); a = fmaf(qa.y, kf[1], a);
+            a = fmaf(qa.z, kf[2], a); a = fmaf(qa.w, kf[3], a);
+            a = fmaf(qb.x, kf[4], a); a = fmaf(qb.y, kf[5], a);
+            a = fmaf(qb.z, kf[6], a); a = fmaf(qb.w, kf[7], a);
+            acc[h] = a;
+          }
+        }
+        // ReLU per head, head sum in order h = 0..HI-1, float32 division, then the id adjustment
+        float tot = acc[0] > 0.f ? acc[0] : 0.f;
+#pragma unroll
+        for (int h = 1; h < HI; ++h) tot = __fadd_rn(tot, acc[h] > 0.f ? acc[h] : 0.f);
+        const float score = __fdiv_rn(tot, 11.313708305358887f);
+        const float a = __fsub_rn(score, __fmul_rn((float)b, 1e-12f));
+        adj[r * npad + b] = a;
+        key = qsa::ord_key(a);
+      }
+      unsigned* srow = summ + (r * (npad / 32) + chunk) * L;
+#pragma unroll
+      for (int j = 0; j < L; ++j) {
+        const unsigned m = __reduce_max_sync(qsa::FULL_MASK, key);
+        if (lane == 0) srow[j] = m;
+        const unsigned bal = __ballot_sync(qsa::FULL_MASK, key == m && m != 0u);
+        if (bal != 0u && lane == __ffs(bal) - 1) key = 0u;
       }
     }
-    // ReLU per head, head sum in order h = 0..HI-1, float32 division, then the id adjustment
-    float tot = acc[0] > 0.f ? acc[0] : 0.f;
-#pragma unroll
-    for (int h = 1; h < HI; ++h) tot = __fadd_rn(tot, acc[h] > 0.f ? acc[h] : 0.f);
-    const float score = __fdiv_rn(tot, 11.313708305358887f);
-    const float a = __fsub_rn(score, __fmul_rn((float)b, 1e-12f));
-    adj[r * npad + b] = a;
-    key = qsa::ord_key(a);
-  }
-  unsigned* srow = summ + (r * (npad / 32) + chunk) * L;
-#pragma unroll
-  for (int j = 0; j < L; ++j) {
-    const unsigned m = __reduce_max_sync(qsa::FULL_MASK, key);
-    if (lane == 0) srow[j] = m;
-    const unsigned bal = __ballot_sync(qsa::FULL_MASK, key == m && m != 0u);
-    if (bal != 0u && lane == __ffs(bal) - 1) key = 0u;
   }
 }
+#ifdef QSA_FUSED
+// Hand-off: every CTA takes a ticket once its scores and summaries are out; the last S take one
+// row each and wait for the rest (at most S - 1 < 8 CTAs spin, and only for CTAs that took
+// earlier tickets or are still scoring, so they cannot starve them). The last of them past its
+// wait zeroes the counter slot again for the next launch on the stream.
+__shared__ int ticket_s;
+__threadfence();
+__syncthreads();
+if (tid == 0) ticket_s = atomicAdd(const_cast<int*>(ctr), 1);
+__syncthreads();
+const int row = ticket_s - ((int)gridDim.x - S);
+if (row < 0) return;
+if (tid == 0) {
+  int* c = const_cast<int*>(ctr);
+  while (qsa::ld_acquire(c) < (int)gridDim.x) __nanosleep(32);
+  if (atomicAdd(c + 1, 1) == S - 1) {
+    c[0] = 0;
+    c[1] = 0;
+  }
+}
+__syncthreads();
+const int p = pos[row];
+const int nb = nbs_s[row];
+const int lane = tid & 31;
+#endif
 
 //// kernel: topk
-// Decode/short-row selector, pass 2: exact top-K in the order (adj desc, id asc), one CTA per row.
-// adj, summ, nbs from pass 1, pos [S] int32
+// Decode/short-row selector, pass 2 as its own kernel: one CTA of NT threads per row, reading
+// adj, summ, nbs [S] int32 from pass 1 and pos [S] int32; the body is the `select` section.
+// Template: K, RATIO, L, CAP, NT; dynamic shared memory CAP * 8 + 4 * (bitmap words).
+extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
+const int row = blockIdx.x;
+const long long npad = adj_shape[1];
+const int p = pos[row];
+const int nb = nbs[row];
+const int tid = threadIdx.x, lane = tid & 31;
+
+//// kernel: select
+// Exact top-K of one row in the order (adj desc, id asc), by one CTA of NT threads (a fragment:
+// the `topk` kernel or the fused `score` kernel defines row, npad, p, nb and qsa_dyn_smem).
 // -> ids [S, K] int32, valid [S, K] bool, scores [S, K] float32: selected ids ascending first,
 //    then empty slots (0, false, -inf); with QSA_ROW_TOKENS also slots / slot_valid
 //    [S, K * RATIO + RATIO] (RUNTIME.md §7 row tokens).
 // Method: u = the K-th largest summary key is a lower bound of the K-th largest adj (the summaries
 // are real blocks), so {adj >= u} holds the whole selection; those candidates go to shared memory
 // and an exact radix select (value, then ~id for ties) runs there. Past CAP candidates the same
-// select streams every block from global memory instead (slow, exact).
-// Template: K, RATIO, L, CAP, NT; dynamic shared memory CAP * 8 + 4 * (bitmap words).
+// select streams every block from global memory instead (slow, exact). Scores and summaries are
+// read through L2 (__ldcg): in the fused kernel other CTAs wrote them moments before.
 constexpr int NW = NT / 32;
-extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 unsigned* cand_key = reinterpret_cast<unsigned*>(qsa_dyn_smem);
 int* cand_id = reinterpret_cast<int*>(cand_key + CAP);
 unsigned* bitmap = reinterpret_cast<unsigned*>(cand_id + CAP);
@@ -113,12 +152,7 @@ __shared__ unsigned ctl[4];
 __shared__ int scan_buf[NW + 1];
 __shared__ int cand_n;
 
-const int tid = threadIdx.x, lane = tid & 31;
-const int row = blockIdx.x;
-const long long npad = adj_shape[1];
-const int p = pos[row];
 const int nb_raw = p >= 0 ? (p + 1) / RATIO : 0;
-const int nb = nbs[row];
 (void)nb_raw;
 const float* adj_row = adj + row * npad;
 const unsigned* summ_row = summ + row * (npad / 32) * L;
@@ -139,7 +173,7 @@ if (tid < RATIO) {
 auto emit = [&](int i, int blk) {
   ids_row[i] = blk;
   valid_row[i] = true;
-  sc_row[i] = adj_row[blk];
+  sc_row[i] = __ldcg(adj_row + blk);
 #ifdef QSA_ROW_TOKENS
 #pragma unroll
   for (int r = 0; r < RATIO; ++r) {
@@ -182,7 +216,7 @@ const int nsum = nwords * Lu;
 unsigned u = 0u;
 if (nsum >= K) {
   if (nsum <= CAP) {
-    for (int i = tid; i < nsum; i += NT) cand_key[i] = summ_row[(i / Lu) * L + (i % Lu)];
+    for (int i = tid; i < nsum; i += NT) cand_key[i] = __ldcg(summ_row + (i / Lu) * L + (i % Lu));
     __syncthreads();
     auto get_s = [&](int i, unsigned& key) {
       key = cand_key[i];
@@ -191,7 +225,7 @@ if (nsum >= K) {
     u = qsa::block_select_desc<NT>(nsum, K, get_s, hist, ctl, 16).t;
   } else {
     auto get_s = [&](int i, unsigned& key) {
-      key = summ_row[(i / Lu) * L + (i % Lu)];
+      key = __ldcg(summ_row + (i / Lu) * L + (i % Lu));
       return true;
     };
     u = qsa::block_select_desc<NT>(nsum, K, get_s, hist, ctl, 16).t;
@@ -209,7 +243,8 @@ for (int base = 0; base < nb; base += NT * 4 * U) {
 #pragma unroll
   for (int j = 0; j < U; ++j) {
     const int b0 = base + (j * NT + tid) * 4;
-    v[j] = b0 < nb ? *reinterpret_cast<const float4*>(adj_row + b0) : make_float4(0.f, 0.f, 0.f, 0.f);
+    v[j] = b0 < nb ? __ldcg(reinterpret_cast<const float4*>(adj_row + b0))
+                  : make_float4(0.f, 0.f, 0.f, 0.f);
   }
 #pragma unroll
   for (int j = 0; j < U; ++j) {
@@ -252,7 +287,7 @@ auto get_c = [&](int i, unsigned& key) {
   return true;
 };
 auto get_g = [&](int i, unsigned& key) {
-  key = qsa::ord_key(adj_row[i]);
+  key = qsa::ord_key(__ldcg(adj_row + i));
   return key >= u;
 };
 qsa::SelectResult r1;
@@ -267,7 +302,7 @@ if (r1.k_rem != r1.n_eq) {
   };
   auto tie_g = [&](int i, unsigned& key) {
     key = ~(unsigned)i;
-    return qsa::ord_key(adj_row[i]) == t;
+    return qsa::ord_key(__ldcg(adj_row + i)) == t;
   };
   unsigned t2;
   if (in_smem) t2 = qsa::block_select_desc<NT>(ncand, r1.k_rem, tie_c, hist, ctl).t;
@@ -284,7 +319,7 @@ if (in_smem) {
   }
 } else {
   for (int i = tid; i < nb; i += NT) {
-    const unsigned key = qsa::ord_key(adj_row[i]);
+    const unsigned key = qsa::ord_key(__ldcg(adj_row + i));
     if (key > t || (key == t && (unsigned)i <= idmax)) atomicOr(&bitmap[i >> 5], 1u << (i & 31));
   }
 }

@@ -7,7 +7,9 @@ as ids ascending among the valid slots, then empty slots (id 0, invalid, score -
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import mlx.core as mx
 
@@ -18,8 +20,48 @@ _MODES = ("blocks", "row_tokens")
 _L = 8  # summaries kept per 32-block chunk by the score pass
 _CAP = 4096  # candidates the top-k pass keeps in shared memory
 _NT_TOPK = 512
-# Score pass: float queries for S * H_I <= 64 rows, then 128 staged key rows padded to 136 bf16.
-SCORE_SMEM_BYTES = 64 * 128 * 4 + 128 * 136 * 2
+_NT_SCORE = 128  # threads (= block keys) of a score CTA in the two-launch form
+_NT_FUSED = 256  # threads of a CTA of the one-launch form (its top-k runs on one of them)
+
+
+def score_smem_bytes(nt: int = _NT_SCORE) -> int:
+    """Score pass: float queries for S * H_I <= 64 rows, then `nt` staged key rows padded to
+    136 bf16."""
+    return 64 * 128 * 4 + nt * 136 * 2
+
+
+SCORE_SMEM_BYTES = score_smem_bytes()
+
+
+# The one-launch form scores with fewer, wider CTAs and runs its top-k on 256 threads instead
+# of 512: on an H100 (2026-12-06, warm caches, benchmarks/step_device.sh) it took 23.5 us
+# against 10.2 + 15.4 us for the two kernels at 8K (2K blocks), but 54.5 against 17.8 + 23.3 us
+# at 128K (32K blocks). It is the default only up to this many blocks, where it saves both a
+# primitive's host time and device time.
+FUSED_MAX_BLOCKS = 8192
+
+
+def one_launch_default(npad: int, limits: DeviceLimits | None) -> bool:
+    """Whether the selector over `npad` padded blocks runs as one launch unless told."""
+    if npad > FUSED_MAX_BLOCKS:
+        return False
+    return (
+        limits is None
+        or device.shared_memory_unsupported(limits, fused_smem_bytes(npad), "") is None
+    )
+
+
+def select_one_launch_env() -> bool | None:
+    """``MLX_QSA_SELECT_ONE_LAUNCH=0|1`` forces the selector's form (for side-by-side timing);
+    None (unset) leaves the choice to the launcher."""
+    v = os.environ.get("MLX_QSA_SELECT_ONE_LAUNCH")
+    return None if v is None else v != "0"
+
+
+def fused_smem_bytes(npad: int) -> int:
+    """The one-launch selector: its CTAs score, then the last S run the top-k in the same
+    shared memory."""
+    return max(score_smem_bytes(_NT_FUSED), topk_smem_bytes(npad))
 
 
 def _check(fn: str, index_q, pooled, pos, block_topk: int, ratio: int, mode: str) -> None:
@@ -157,8 +199,9 @@ def select_blocks_cuda(
     block_topk: int = 512,
     ratio: int = 4,
     mode: str = "blocks",
+    one_launch: bool | None = None,
 ):
-    """Fused block scoring + exact top-k on CUDA (two kernels); see :func:`select_blocks_portable`.
+    """Fused block scoring + exact top-k on CUDA; see :func:`select_blocks_portable`.
 
     ``index_q`` is ``[S, H_I, d_I]`` as for the twin, or the layer's ``[1, H_I, S, d_I]`` (read
     in place).
@@ -166,14 +209,33 @@ def select_blocks_cuda(
     Pass 1 scores every block key once for all rows (one thread per block, many CTAs, the keys
     staged in shared memory) and keeps per-chunk summaries; pass 2 (one CTA per row) bounds the
     K-th score from the summaries, gathers the few candidates above it into shared memory and
-    radix-selects them exactly.
+    radix-selects them exactly. With ``one_launch`` (the default where its shared memory fits)
+    both passes are one kernel: the last S CTAs to finish scoring take a row each (a counter
+    hand-off, no grid-wide wait), one MLX primitive instead of two with the same bits.
     """
     fn = "select_blocks_cuda"
-    q4 = None
-    if index_q.ndim == 4:  # the layer's layout, read in place (no transpose, no copy)
+    if one_launch is None:
+        one_launch = select_one_launch_env()
+    launch = _launch.one_launch_env() if one_launch is None else one_launch
+    sig = _launch.signature((index_q, pooled, pos), block_topk, ratio, mode, launch)
+    run = _PLANS.get(
+        sig, lambda: _plan(fn, index_q, pooled, pos, block_topk, ratio, mode, one_launch)
+    )
+    return run(index_q, pooled, pos)
+
+
+_PLANS = _launch.Plans()
+
+
+def _plan(
+    fn: str, index_q, pooled, pos, block_topk: int, ratio: int, mode: str, one_launch: bool | None
+):
+    """Checks a call's arguments and plans its launches (once per signature)."""
+    layer_layout = index_q.ndim == 4
+    if layer_layout:  # the layer's layout, read in place (no transpose, no copy)
         if index_q.shape[0] != 1:
             raise ValueError(f"{fn}: index_q must be [1, H_I, S, d_I], got {list(index_q.shape)}")
-        q4, index_q = index_q, index_q[0].transpose(1, 0, 2)  # the view serves the checks
+        index_q = index_q[0].transpose(1, 0, 2)  # the view serves the checks
     _check(fn, index_q, pooled, pos, block_topk, ratio, mode)
     _launch.require_cuda(fn)
     S, n_heads, d_i = index_q.shape
@@ -183,10 +245,13 @@ def select_blocks_cuda(
     cap = pooled.shape[1]
     if cap < 1:
         raise ValueError(f"{fn}: pooled must hold at least one block row, got {list(pooled.shape)}")
-    if q4 is None:
-        q4 = index_q.transpose(1, 0, 2)[None]
-    K = block_topk
     npad = -(-cap // 128) * 128
+    if one_launch is None:
+        one_launch = _launch.one_launch_env() is not False and one_launch_default(
+            npad, device.current()
+        )
+    if one_launch:
+        return _plan_fused(layer_layout, S, n_heads, npad, block_topk, ratio, mode)
     score = _launch.build(
         "selector.cu",
         "score",
@@ -196,15 +261,63 @@ def select_blocks_cuda(
         shared_memory=SCORE_SMEM_BYTES,
         ensure_row_contiguous=True,
     )
-    adj, summ, nbs = score(
-        inputs=[q4, pooled, pos],
-        template=[("HI", n_heads), ("RATIO", ratio), ("L", _L)],
-        grid=(npad, 1, 1),
-        threadgroup=(128, 1, 1),
-        output_shapes=[(S, npad), (S, npad // 32 * _L), (S,)],
-        output_dtypes=[mx.float32, mx.uint32, mx.int32],
+    template = [("HI", n_heads), ("RATIO", ratio), ("L", _L), ("NT", _NT_SCORE)]
+    shapes = [(S, npad), (S, npad // 32 * _L), (S,)]
+    dtypes = [mx.float32, mx.uint32, mx.int32]
+    top_k = _plan_top_k(S, block_topk, ratio, npad, mode)
+
+    def run(q, pooled, pos):
+        q4 = q if layer_layout else q.transpose(1, 0, 2)[None]
+        adj, summ, nbs = score(
+            inputs=[q4, pooled, pos],
+            template=template,
+            grid=(npad, 1, 1),
+            threadgroup=(_NT_SCORE, 1, 1),
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+        )
+        return top_k(adj, summ, nbs, pos)
+
+    return run
+
+
+def _plan_fused(layer_layout: bool, S: int, n_heads: int, npad: int, K: int, ratio: int, mode: str):
+    """The one-launch selector: score CTAs of ``_NT_FUSED`` threads, the top-k by the last S."""
+    rows = mode == "row_tokens"
+    outputs = ("adj", "summ", "nbs", "ids", "valid", "scores")
+    outputs += ("slots", "slot_valid") if rows else ()
+    kernel = _launch.build(
+        "selector.cu",
+        "score+select",
+        ("index_q", "pooled", "pos", "ctr"),
+        outputs,
+        ("fused", mode),
+        shared_memory=fused_smem_bytes(npad),
+        ensure_row_contiguous=True,
+        prefix="#define QSA_FUSED\n" + ("#define QSA_ROW_TOKENS\n" if rows else ""),
     )
-    return top_k_from_plane(adj, summ, nbs, pos, block_topk=K, ratio=ratio, npad=npad, mode=mode)
+    template = [("HI", n_heads), ("RATIO", ratio), ("L", _L), ("NT", _NT_FUSED)]
+    template += [("K", K), ("CAP", _CAP)]
+    shapes = [(S, npad), (S, npad // 32 * _L), (S,), (S, K), (S, K), (S, K)]
+    dtypes = [mx.float32, mx.uint32, mx.int32, mx.int32, mx.bool_, mx.float32]
+    if rows:
+        shapes += [(S, K * ratio + ratio)] * 2
+        dtypes += [mx.int32, mx.bool_]
+    n_cta = max(-(-npad // _NT_FUSED), S)  # every row needs a CTA of its own at the end
+
+    def run(q, pooled, pos):
+        q4 = q if layer_layout else q.transpose(1, 0, 2)[None]
+        out = kernel(
+            inputs=[q4, pooled, pos, _launch.counter_slot()],
+            template=template,
+            grid=(n_cta * _NT_FUSED, 1, 1),
+            threadgroup=(_NT_FUSED, 1, 1),
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+        )
+        return tuple(out[3:])
+
+    return run
 
 
 def top_k_from_plane(
@@ -221,14 +334,18 @@ def top_k_from_plane(
     """The top-k kernel over a score plane `adj [S, npad]` and its chunk summaries (from the
     decode score kernel or the prefill producer): (ids, valid, scores) per row, plus
     (slots, slot_valid) in `row_tokens` mode."""
-    S, K = adj.shape[0], block_topk
+    return _plan_top_k(adj.shape[0], block_topk, ratio, npad, mode)(adj, summ, nbs, pos)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_top_k(S: int, K: int, ratio: int, npad: int, mode: str):
     rows = mode == "row_tokens"
     outputs = ("ids", "valid", "scores") + (("slots", "slot_valid") if rows else ())
     # One size class per bitmap bound, so the dynamic shared memory never changes under a name.
     smem = topk_smem_bytes(npad)
     topk = _launch.build(
         "selector.cu",
-        "topk",
+        "topk+select",
         ("adj", "summ", "nbs", "pos"),
         outputs,
         (mode,),
@@ -241,13 +358,18 @@ def top_k_from_plane(
     if rows:
         shapes += [(S, K * ratio + ratio)] * 2
         dtypes += [mx.int32, mx.bool_]
-    return tuple(
-        topk(
-            inputs=[adj, summ, nbs, pos],
-            template=[("K", K), ("RATIO", ratio), ("L", _L), ("CAP", _CAP), ("NT", _NT_TOPK)],
-            grid=(S * _NT_TOPK, 1, 1),
-            threadgroup=(_NT_TOPK, 1, 1),
-            output_shapes=shapes,
-            output_dtypes=dtypes,
+    template = [("K", K), ("RATIO", ratio), ("L", _L), ("CAP", _CAP), ("NT", _NT_TOPK)]
+
+    def run(adj, summ, nbs, pos):
+        return tuple(
+            topk(
+                inputs=[adj, summ, nbs, pos],
+                template=template,
+                grid=(S * _NT_TOPK, 1, 1),
+                threadgroup=(_NT_TOPK, 1, 1),
+                output_shapes=shapes,
+                output_dtypes=dtypes,
+            )
         )
-    )
+
+    return run

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 5 step work on the lent GPU (after `source .device/part-b/activate.sh`):
+#   bash benchmarks/step_device.sh tests|profile|ncu ...
+# tests:   the CUDA decode, prefill and layer tests
+# profile: benchmarks/step_profile.py at 8K and 128K, one launch (default) and MLX_QSA_ONE_LAUNCH=0
+# ncu:     the kernels of 3 steps at 128K with their SM clock and cycles (ncu --clock-control none)
+set -uo pipefail
+OUT="${OUT:-/tmp/qsa-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$OUT/when.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+rc=0
+for what in "$@"; do
+  case "$what" in
+    tests)
+      timeout 330 python3 -m pytest -o addopts= -q -x -rs -p no:cacheprovider \
+        tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_layer.py 2>&1 \
+        | tee "$OUT/tests.log" | tail -6
+      rc=$((rc | PIPESTATUS[0])) ;;
+    profile)
+      for ol in 1 0; do
+        MLX_QSA_ONE_LAUNCH=$ol timeout 120 python3 benchmarks/step_profile.py \
+          "$OUT/step_onelaunch$ol.json" --contexts 8192,131072 2>&1 | grep '^T=' \
+          | tee -a "$OUT/step.log"
+      done ;;
+    ncu)
+      timeout 150 ncu --clock-control none --profile-from-start off --csv \
+        --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__cycles_elapsed.max \
+        python3 benchmarks/step_profile.py "$OUT/step_ncu.json" --contexts 131072 --sets 2 \
+        --ncu-steps 3 > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
+      python3 benchmarks/ncu_summary.py "$OUT/ncu.csv" 1 | tee "$OUT/ncu_summary.txt" ;;
+    *) echo "unknown step $what"; rc=1 ;;
+  esac
+done
+exit $rc
