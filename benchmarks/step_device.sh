@@ -4,6 +4,9 @@
 # tests:   the CUDA decode, prefill and layer tests
 # profile: benchmarks/step_profile.py at 8K and 128K, one launch (default) and MLX_QSA_ONE_LAUNCH=0
 # ncu:     the kernels of 3 steps at 128K with their SM clock and cycles (ncu --clock-control none)
+# select:  one-launch against two-launch selector (MLX_QSA_SELECT_ONE_LAUNCH=1|0) at 8K-128K:
+#          step_profile and the kernels' warm-cache times (ncu --cache-control none)
+# ab:      step_profile of this tree against an older one in .old/src (carried), interleaved
 set -uo pipefail
 OUT="${OUT:-/tmp/qsa-out}"
 mkdir -p "$OUT"
@@ -31,6 +34,24 @@ for what in "$@"; do
         python3 benchmarks/step_profile.py "$OUT/step_ncu.json" --contexts 131072 --sets 2 \
         --ncu-steps 3 > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
       python3 benchmarks/ncu_summary.py "$OUT/ncu.csv" 1 | tee "$OUT/ncu_summary.txt" ;;
+    select)
+      for so in 1 0; do
+        MLX_QSA_SELECT_ONE_LAUNCH=$so timeout 100 ncu --clock-control none --cache-control none \
+          --profile-from-start off --csv --metrics gpu__time_duration.sum \
+          python3 benchmarks/step_profile.py "$OUT/y$so.json" --contexts 8192,32768,65536,131072 \
+          --sets 2 --ncu-steps 3 > "$OUT/ncu_select$so.csv" 2>/dev/null
+        python3 benchmarks/ncu_summary.py "$OUT/ncu_select$so.csv" 4 | tee -a "$OUT/select.log"
+        MLX_QSA_SELECT_ONE_LAUNCH=$so timeout 100 python3 benchmarks/step_profile.py \
+          "$OUT/step_select$so.json" --contexts 8192,32768,65536,131072 2>&1 | grep '^T=' \
+          | tee -a "$OUT/select.log"
+      done ;;
+    ab)
+      for tree in .old/src src .old/src src; do
+        echo "== $tree" | tee -a "$OUT/ab.log"
+        PYTHONPATH="$PWD/$tree:$PYTHONPATH" timeout 100 python3 benchmarks/step_profile.py \
+          "$OUT/ab_$(echo $tree | tr / _).json" --contexts 8192,131072 2>&1 | grep '^T=' \
+          | tee -a "$OUT/ab.log"
+      done ;;
     *) echo "unknown step $what"; rc=1 ;;
   esac
 done
