@@ -34,11 +34,11 @@ SCORE_SMEM_BYTES = score_smem_bytes()
 
 
 # The one-launch form scores with fewer, wider CTAs and runs its top-k on 256 threads instead
-# of 512: on an H100 (2026-12-06, warm caches, benchmarks/step_device.sh) it took 23.5 us
-# against 10.2 + 15.4 us for the two kernels at 8K (2K blocks), but 54.5 against 17.8 + 23.3 us
-# at 128K (32K blocks). It is the default only up to this many blocks, where it saves both a
-# primitive's host time and device time.
-FUSED_MAX_BLOCKS = 8192
+# of 512, so its kernel is slower at long contexts (H100, 2026-12-06, warm caches: 54.5 against
+# 17.8 + 23.3 us at 128K), but it saves a primitive (~18 us of graph build, plus evaluation). The
+# whole step measured faster with it up to 128K tokens and slower at 256K (BENCHMARKS.md,
+# "Decode step: plans, ..."): it is the default up to this many padded blocks.
+FUSED_MAX_BLOCKS = 32768
 
 
 def one_launch_default(npad: int, limits: DeviceLimits | None) -> bool:
