@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import ctypes
 import io
 import json
 import pstats
@@ -20,17 +19,10 @@ import statistics
 import time
 
 import mlx.core as mx
+from layer_profile import _profiler  # this folder (the script's own) is on sys.path
 
 from mlx_qsa.bench import DecodeSet, primitive_counts, qsa_step
 from mlx_qsa.config import QSAConfig
-
-
-def _profiler(on: bool) -> None:
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return
-    (lib.cuProfilerStart if on else lib.cuProfilerStop)()
 
 
 def point(cfg: QSAConfig, T: int, rows: int, impl: str, n_sets: int, ncu_steps: int) -> dict:
