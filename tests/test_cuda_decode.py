@@ -586,6 +586,31 @@ def test_select_one_launch_matches_two_launches(ctx, rows, mode):
 
 
 @needs_cuda
+@pytest.mark.parametrize("mode", ["blocks", "row_tokens"])
+@pytest.mark.parametrize(
+    "ctx,rows,n_heads",
+    [(37, 1, 4), (2052, 8, 4), (8192, 3, 8), (32771, 1, 4), (131072, 2, 2), (131072, 1, 4)],
+)
+def test_select_split_heads_matches_two_launches(ctx, rows, n_heads, mode, monkeypatch):
+    """The one-launch selector with one thread per indexer head (MLX_QSA_SELECT_SPLIT_HEADS=1)
+    gives the two kernels' bits: scores, ids, validity, row tokens."""
+    rng = np.random.default_rng([59, ctx, rows, n_heads])
+    pos = [ctx - rows + i for i in range(rows)]
+    nb_max = (pos[-1] + 1) // 4
+    cap = bucket(max(nb_max, 1))
+    _, _, qm, km = make_selector_inputs(rng, rows, n_heads, cap, nb_max)
+    pm = mx.array(pos, dtype=mx.int32)
+    two = select_blocks_cuda(qm, km, pm, mode=mode, one_launch=False)
+    mx.eval(two)
+    monkeypatch.setenv("MLX_QSA_SELECT_SPLIT_HEADS", "1")
+    for _ in range(2):
+        one = select_blocks_cuda(qm, km, pm, mode=mode, one_launch=True)
+        mx.eval(one)
+        for a, b in zip(one, two, strict=True):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+@needs_cuda
 @pytest.mark.parametrize("rows", [2, 5, 8])
 def test_rows_gather_one_launch_matches_two_launches(rows):
     rng = np.random.default_rng([47, rows])

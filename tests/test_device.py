@@ -181,6 +181,13 @@ def test_selector_one_launch_rule(monkeypatch):
     # 102400 bytes of scoring CTA do not fit 99 KiB: the two kernels run instead
     assert selector.fused_smem_bytes(2048) > small.max_shared_memory
     assert not selector.one_launch_default(2048, small)
+    # one thread per indexer head: 128 staged keys per 512-thread CTA, rows of 132 floats
+    assert selector.score_smem_bytes(512, 4) == 64 * 132 * 4 + 128 * 136 * 2
+    assert selector.fused_smem_bytes(2048, 4) <= HOPPER.max_shared_memory
+    monkeypatch.delenv("MLX_QSA_SELECT_SPLIT_HEADS", raising=False)
+    assert not selector.split_heads_env()
+    monkeypatch.setenv("MLX_QSA_SELECT_SPLIT_HEADS", "1")
+    assert selector.split_heads_env()
     monkeypatch.delenv("MLX_QSA_SELECT_ONE_LAUNCH", raising=False)
     assert selector.select_one_launch_env() is None
     monkeypatch.setenv("MLX_QSA_SELECT_ONE_LAUNCH", "0")

@@ -24,9 +24,15 @@ _NT_SCORE = 128  # threads (= block keys) of a score CTA in the two-launch form
 _NT_FUSED = 256  # threads of a CTA of the one-launch form (its top-k runs on one of them)
 
 
-def score_smem_bytes(nt: int = _NT_SCORE) -> int:
-    """Score pass: float queries for S * H_I <= 64 rows, then `nt` staged key rows padded to
-    136 bf16."""
+_NT_SPLIT = 512  # threads of a one-launch CTA whose block keys take one thread per head
+
+
+def score_smem_bytes(nt: int = _NT_SCORE, split_heads: int = 0) -> int:
+    """Score pass: float queries for S * H_I <= 64 rows, then the staged key rows padded to
+    136 bf16: `nt` of them, or `nt / split_heads` with one thread per head (query rows then
+    padded to 132 floats)."""
+    if split_heads:
+        return 64 * 132 * 4 + nt // split_heads * 136 * 2
     return 64 * 128 * 4 + nt * 136 * 2
 
 
@@ -58,10 +64,19 @@ def select_one_launch_env() -> bool | None:
     return None if v is None else v != "0"
 
 
-def fused_smem_bytes(npad: int) -> int:
+def fused_smem_bytes(npad: int, split_heads: int = 0) -> int:
     """The one-launch selector: its CTAs score, then the last S run the top-k in the same
     shared memory."""
+    if split_heads:
+        return max(score_smem_bytes(_NT_SPLIT, split_heads), topk_smem_bytes(npad))
     return max(score_smem_bytes(_NT_FUSED), topk_smem_bytes(npad))
+
+
+def split_heads_env() -> bool:
+    """``MLX_QSA_SELECT_SPLIT_HEADS=1``: the one-launch selector scores with one thread per
+    indexer head and runs its top-k on 512 threads (same bits by construction; opt-in until it
+    has been run and timed on a GPU)."""
+    return os.environ.get("MLX_QSA_SELECT_SPLIT_HEADS", "0") == "1"
 
 
 def _check(fn: str, index_q, pooled, pos, block_topk: int, ratio: int, mode: str) -> None:
@@ -217,7 +232,8 @@ def select_blocks_cuda(
     if one_launch is None:
         one_launch = select_one_launch_env()
     launch = _launch.one_launch_env() if one_launch is None else one_launch
-    sig = _launch.signature((index_q, pooled, pos), block_topk, ratio, mode, launch)
+    split = split_heads_env()
+    sig = _launch.signature((index_q, pooled, pos), block_topk, ratio, mode, launch, split)
     run = _PLANS.get(
         sig, lambda: _plan(fn, index_q, pooled, pos, block_topk, ratio, mode, one_launch)
     )
@@ -251,7 +267,8 @@ def _plan(
             npad, device.current()
         )
     if one_launch:
-        return _plan_fused(layer_layout, S, n_heads, npad, block_topk, ratio, mode)
+        split = n_heads if split_heads_env() and n_heads in (2, 4, 8) else 0
+        return _plan_fused(layer_layout, S, n_heads, npad, block_topk, ratio, mode, split)
     score = _launch.build(
         "selector.cu",
         "score",
@@ -281,8 +298,20 @@ def _plan(
     return run
 
 
-def _plan_fused(layer_layout: bool, S: int, n_heads: int, npad: int, K: int, ratio: int, mode: str):
-    """The one-launch selector: score CTAs of ``_NT_FUSED`` threads, the top-k by the last S."""
+def _plan_fused(
+    layer_layout: bool,
+    S: int,
+    n_heads: int,
+    npad: int,
+    K: int,
+    ratio: int,
+    mode: str,
+    split: int = 0,
+):
+    """The one-launch selector: score CTAs of ``_NT_FUSED`` threads (or ``_NT_SPLIT`` with
+    ``split`` = H_I threads per block key), the top-k by the last S."""
+    nt = _NT_SPLIT if split else _NT_FUSED
+    keys_per_cta = nt // split if split else nt
     rows = mode == "row_tokens"
     outputs = ("adj", "summ", "nbs", "ids", "valid", "scores")
     outputs += ("slots", "slot_valid") if rows else ()
@@ -291,27 +320,29 @@ def _plan_fused(layer_layout: bool, S: int, n_heads: int, npad: int, K: int, rat
         "score+select",
         ("index_q", "pooled", "pos", "ctr"),
         outputs,
-        ("fused", mode),
-        shared_memory=fused_smem_bytes(npad),
+        ("fused", mode) + (("split",) if split else ()),
+        shared_memory=fused_smem_bytes(npad, split),
         ensure_row_contiguous=True,
-        prefix="#define QSA_FUSED\n" + ("#define QSA_ROW_TOKENS\n" if rows else ""),
+        prefix="#define QSA_FUSED\n"
+        + ("#define QSA_ROW_TOKENS\n" if rows else "")
+        + ("#define QSA_SPLIT_HEADS\n" if split else ""),
     )
-    template = [("HI", n_heads), ("RATIO", ratio), ("L", _L), ("NT", _NT_FUSED)]
+    template = [("HI", n_heads), ("RATIO", ratio), ("L", _L), ("NT", nt)]
     template += [("K", K), ("CAP", _CAP)]
     shapes = [(S, npad), (S, npad // 32 * _L), (S,), (S, K), (S, K), (S, K)]
     dtypes = [mx.float32, mx.uint32, mx.int32, mx.int32, mx.bool_, mx.float32]
     if rows:
         shapes += [(S, K * ratio + ratio)] * 2
         dtypes += [mx.int32, mx.bool_]
-    n_cta = max(-(-npad // _NT_FUSED), S)  # every row needs a CTA of its own at the end
+    n_cta = max(-(-npad // keys_per_cta), S)  # every row needs a CTA of its own at the end
 
     def run(q, pooled, pos):
         q4 = q if layer_layout else q.transpose(1, 0, 2)[None]
         out = kernel(
             inputs=[q4, pooled, pos, _launch.counter_slot()],
             template=template,
-            grid=(n_cta * _NT_FUSED, 1, 1),
-            threadgroup=(_NT_FUSED, 1, 1),
+            grid=(n_cta * nt, 1, 1),
+            threadgroup=(nt, 1, 1),
             output_shapes=shapes,
             output_dtypes=dtypes,
         )
