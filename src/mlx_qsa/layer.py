@@ -72,7 +72,8 @@ class CallInfo:
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:
-    return _DTYPES.get(dtype, str(dtype).removeprefix("mlx.core."))
+    name = _DTYPES.get(dtype)  # no str() of the dtype unless it is needed: 9 calls a layer step
+    return name if name is not None else str(dtype).removeprefix("mlx.core.")
 
 
 class QSAAttention(nn.Module):

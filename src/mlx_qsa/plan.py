@@ -14,6 +14,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from mlx_qsa.config import QSAOptions
@@ -36,13 +37,19 @@ def ordered_counts(names: Iterable[str], trace_only: bool = True) -> dict[str, i
 
     With `trace_only` the library-only counters are dropped (the trace never shows them).
     """
-    names = list(names)
+    return dict(_ordered_counts(tuple(names), trace_only))  # a fresh dict: callers may keep it
+
+
+@lru_cache(maxsize=1024)
+def _ordered_counts(names: tuple[str, ...], trace_only: bool) -> tuple[tuple[str, int], ...]:
+    """`ordered_counts` once per distinct list of names (a layer asks for the same few lists at
+    every step)."""
     unknown = sorted(set(names) - set(LIBRARY_COUNTERS))
     if unknown:
         raise ValueError(f"ordered_counts(names): unknown counters {unknown}")
     tally = Counter(names)
     order = TRACE_COUNTERS if trace_only else LIBRARY_COUNTERS
-    return {k: tally[k] for k in order if tally[k]}
+    return tuple((k, tally[k]) for k in order if tally[k])
 
 
 # ------------------------------------------------------------------------------------
