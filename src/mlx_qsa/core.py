@@ -11,6 +11,7 @@ compiled paths must produce identical bits).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,7 +124,7 @@ class IndexerCore:
         fn = self._graphs.get((key.label, impl))
         if fn is None:
             fn = mx.compile(_graph(key, self.geometry, m, self._count_trace, impl))
-        proj_w = inputs.proj_w if inputs.proj_w is not None else mx.zeros((1, 1), mx.bfloat16)
+        proj_w = inputs.proj_w if inputs.proj_w is not None else _no_projection()
         out = fn(
             inputs.source,
             proj_w,
@@ -149,6 +150,15 @@ class IndexerCore:
 
     def to_dict(self, prefill_workspace: int) -> dict:
         return self.receipt.to_dict(prefill_workspace)
+
+
+@functools.cache
+def _no_projection() -> mx.array:
+    """The placeholder projection weight of a fused-level-4 layer (its graph never reads it),
+    made once instead of a fresh `mx.zeros` array (host time) at every step."""
+    w = mx.zeros((1, 1), mx.bfloat16)
+    mx.eval(w)
+    return w
 
 
 def compile_disabled() -> bool:
