@@ -45,6 +45,31 @@ def test_decode_never_retraces(fused):
     assert d["selector_dispatches"] == 60 and d["capacity_transitions"] == 0
 
 
+def test_each_compiled_call_takes_its_own_counter_slot(monkeypatch):
+    """The one-launch selector's hand-off counter is an input of the compiled graph, a fresh
+    slot per call: replays of one graph that MLX runs concurrently never share one (a constant
+    captured at trace time would be shared by every replay)."""
+    import mlx_qsa.core as core_module
+    from mlx_qsa.kernels import _launch
+
+    rng = np.random.default_rng(3)
+    layer = _layer(4, Capabilities.reference())
+    cache = layer.make_cache()
+    layer.prefill_state(_rows(rng, 23), cache)
+    seen = []
+
+    def spy():
+        seen.append(_launch.counter_slot())
+        return seen[-1]
+
+    monkeypatch.setattr(core_module, "counter_slot", spy)
+    for _ in range(5):
+        mx.eval(layer(_rows(rng, 1), cache=cache))
+        assert layer.last_call.compiled
+    assert layer.core.python_traces == 1  # the new input does not retrace
+    assert len(seen) == 5 and len({id(c) for c in seen}) == 5
+
+
 def test_bucket_growth_adds_keys_logarithmically():
     rng = np.random.default_rng(2)
     layer = _layer(4, Capabilities.reference())

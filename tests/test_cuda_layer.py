@@ -124,6 +124,33 @@ def test_compiled_and_eager_cuda_paths_select_alike(spy) -> None:
         )
 
 
+def test_concurrent_calls_of_one_compiled_graph_use_their_own_counters() -> None:
+    """Two sequences through one layer (one compiled indexer graph), each decode step of both
+    evaluated together: MLX may run the two replays of the graph concurrently, so each call's
+    one-launch selector must get its own counter slot (an input of the compiled function, not a
+    constant of its trace). Bit for bit the outputs of the same steps evaluated one at a time."""
+    opts = QSAOptions.trace(flash_min=0, kernels="auto", compiled=True)
+    together, _ = build(CFG, options=opts)
+    alone, _ = build(CFG, options=opts)
+    xs = [hidden_rows(120, CFG.hidden_size, seed=s) for s in (21, 22)]
+    caches = {id(together): [], id(alone): []}
+    for layer in (together, alone):
+        for x in xs:
+            c = layer.make_cache()
+            mx.eval(layer(x[:, :100], cache=c))  # past the first sparse token (67)
+            caches[id(layer)].append(c)
+    for t in range(100, 110):
+        pairs = zip(xs, caches[id(together)], strict=True)
+        ys = [together(x[:, t : t + 1], cache=c) for x, c in pairs]
+        mx.eval(ys)
+        for x, c, y in zip(xs, caches[id(alone)], ys, strict=True):
+            ref = alone(x[:, t : t + 1], cache=c)
+            mx.eval(ref)
+            np.testing.assert_array_equal(
+                np.array(y.astype(mx.float32)), np.array(ref.astype(mx.float32)), err_msg=f"t={t}"
+            )
+
+
 # the prefill_flash contract's heads and budget (RUNTIME.md §5.6) on a small hidden size
 CFG_FLASH = small_config(
     mrope=False,

@@ -29,6 +29,7 @@ from .indexer import (
     select_rows,
     split_qk_rows,
 )
+from .kernels._launch import counter_slot
 
 
 @dataclass
@@ -48,6 +49,10 @@ class CoreInputs:
     positions: mx.array  # int32 [S], the rows' absolute positions (= their raw-key rows)
     win_start: mx.array  # int32 [1], first block of the staging window
     penalty: mx.array  # float32 [cap_pool]
+    # int32 [2]: the hand-off counter of a one-launch CUDA selector, a fresh slot per call
+    # (`kernels._launch.counter_slot`). An input, not a constant of the trace: replays of one
+    # graph that run concurrently must not share a counter. None: one is taken per call here.
+    ctr: mx.array | None = None
 
 
 def _graph(
@@ -78,6 +83,7 @@ def _graph(
         positions,
         win_start,
         penalty,
+        ctr,
     ):
         on_trace()
         z = source @ proj_w.T if hidden_source else source
@@ -90,7 +96,7 @@ def _graph(
         q = prepare_queries(q_raw, q_norm_w, cos_rows, sin_rows, g)
         keys_t = pooled[0].astype(mx.float32).T
         ids, valid, scores = select_rows(
-            q, keys_t, penalty, positions, g.ratio, g.block_topk, chunk, pooled, impl
+            q, keys_t, penalty, positions, g.ratio, g.block_topk, chunk, pooled, impl, ctr=ctr
         )
         if mode in ("blocks", "prefill_blocks"):
             return raw, pooled, ids, valid, scores
@@ -139,6 +145,7 @@ class IndexerCore:
             inputs.positions,
             inputs.win_start,
             inputs.penalty,
+            inputs.ctr if inputs.ctr is not None else counter_slot(),
         )
         # Account only once the graph has been built without error.
         self._graphs[(key.label, impl)] = fn

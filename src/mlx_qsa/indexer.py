@@ -182,6 +182,7 @@ def select_rows(
     chunk: int,
     pooled: mx.array | None = None,
     impl: str = "portable",
+    ctr: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """Score and select for every row, `chunk` query rows per pass (bounded score memory).
 
@@ -189,12 +190,12 @@ def select_rows(
     `top_blocks` triple for all S rows. With `impl="cuda"` and the `pooled` backing
     `[1, N, d_I]` (the bf16 rows keys_t mirrors), short calls run the CUDA selector, the one
     score routine every path of that backend uses (RUNTIME.md §10.5); keys_t and penalty may
-    then be None.
+    then be None, and `ctr` is the counter slot of a one-launch selector (default: a fresh one).
     """
     if impl == "cuda" and pooled is not None and cuda_selector_supports(q, pooled):
         from .kernels.selector import select_blocks_cuda
 
-        return select_blocks_cuda(q, pooled, positions, block_topk=k, ratio=ratio)
+        return select_blocks_cuda(q, pooled, positions, block_topk=k, ratio=ratio, ctr=ctr)
     if impl == "cuda" and pooled is not None:
         from .kernels.prefill_score import prefill_score_supports, select_prefill_cuda
 

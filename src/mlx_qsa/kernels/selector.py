@@ -215,6 +215,7 @@ def select_blocks_cuda(
     ratio: int = 4,
     mode: str = "blocks",
     one_launch: bool | None = None,
+    ctr: mx.array | None = None,
 ):
     """Fused block scoring + exact top-k on CUDA; see :func:`select_blocks_portable`.
 
@@ -224,9 +225,12 @@ def select_blocks_cuda(
     Pass 1 scores every block key once for all rows (one thread per block, many CTAs, the keys
     staged in shared memory) and keeps per-chunk summaries; pass 2 (one CTA per row) bounds the
     K-th score from the summaries, gathers the few candidates above it into shared memory and
-    radix-selects them exactly. With ``one_launch`` (the default where its shared memory fits)
-    both passes are one kernel: the last S CTAs to finish scoring take a row each (a counter
-    hand-off, no grid-wide wait), one MLX primitive instead of two with the same bits.
+    radix-selects them exactly. With ``one_launch`` (the default up to ``FUSED_MAX_BLOCKS``
+    padded blocks) both passes are one kernel: the last S CTAs to finish scoring take a row each
+    (a counter hand-off, no grid-wide wait), one MLX primitive instead of two with the same bits.
+    Its counter is ``ctr`` (int32 [2] of `_launch.counter_slot`), or a fresh slot per call;
+    inside ``mx.compile`` pass it as an input of the compiled function, so that replays of the
+    graph running concurrently never share one.
     """
     fn = "select_blocks_cuda"
     if one_launch is None:
@@ -237,7 +241,7 @@ def select_blocks_cuda(
     run = _PLANS.get(
         sig, lambda: _plan(fn, index_q, pooled, pos, block_topk, ratio, mode, one_launch)
     )
-    return run(index_q, pooled, pos)
+    return run(index_q, pooled, pos, ctr)
 
 
 _PLANS = _launch.Plans()
@@ -283,7 +287,7 @@ def _plan(
     dtypes = [mx.float32, mx.uint32, mx.int32]
     top_k = _plan_top_k(S, block_topk, ratio, npad, mode)
 
-    def run(q, pooled, pos):
+    def run(q, pooled, pos, ctr=None):
         q4 = q if layer_layout else q.transpose(1, 0, 2)[None]
         adj, summ, nbs = score(
             inputs=[q4, pooled, pos],
@@ -336,10 +340,10 @@ def _plan_fused(
         dtypes += [mx.int32, mx.bool_]
     n_cta = max(-(-npad // keys_per_cta), S)  # every row needs a CTA of its own at the end
 
-    def run(q, pooled, pos):
+    def run(q, pooled, pos, ctr=None):
         q4 = q if layer_layout else q.transpose(1, 0, 2)[None]
         out = kernel(
-            inputs=[q4, pooled, pos, _launch.counter_slot()],
+            inputs=[q4, pooled, pos, ctr if ctr is not None else _launch.counter_slot()],
             template=template,
             grid=(n_cta * nt, 1, 1),
             threadgroup=(nt, 1, 1),
