@@ -30,6 +30,47 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
 
 __device__ __forceinline__ float bf_to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// a + q[0..7] . k[0..7] as eight fmaf in order d = 0..7 (q: 16-byte aligned float32).
+__device__ __forceinline__ float fma8(float a, const float* q, const float (&k)[8]) {
+  const float4 qa = *reinterpret_cast<const float4*>(q);
+  const float4 qb = *reinterpret_cast<const float4*>(q + 4);
+  a = fmaf(qa.x, k[0], a); a = fmaf(qa.y, k[1], a);
+  a = fmaf(qa.z, k[2], a); a = fmaf(qa.w, k[3], a);
+  a = fmaf(qb.x, k[4], a); a = fmaf(qb.y, k[5], a);
+  a = fmaf(qb.z, k[6], a); a = fmaf(qb.w, k[7], a);
+  return a;
+}
+
+// The indexer's block score from its heads' dot products (QSA.md §8.2): ReLU per head, head
+// sum in order h = 0..HI-1, over sqrt(d_I = 128), minus the id adjustment b * 1e-12, each step
+// a float32 operation rounded to nearest (no contraction), as the portable twin computes it.
+__device__ __forceinline__ float adjusted_score(float relu_sum, int b) {
+  const float score = __fdiv_rn(relu_sum, 11.313708305358887f);
+  return __fsub_rn(score, __fmul_rn((float)b, 1e-12f));
+}
+
+template <int HI>
+__device__ __forceinline__ float relu_head_sum(const float (&acc)[HI]) {
+  float tot = acc[0] > 0.f ? acc[0] : 0.f;
+#pragma unroll
+  for (int h = 1; h < HI; ++h) tot = __fadd_rn(tot, acc[h] > 0.f ? acc[h] : 0.f);
+  return tot;
+}
+
+// The L largest keys of a warp's 32 (one a lane; 0 = no block), descending with duplicates kept
+// and 0 past the last: lane 0 writes them to srow[0..L). Every lane of the warp must call it.
+template <int L>
+__device__ __forceinline__ void warp_top_keys(unsigned key, unsigned* srow) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < L; ++j) {
+    const unsigned m = __reduce_max_sync(FULL_MASK, key);
+    if (lane == 0) srow[j] = m;
+    const unsigned bal = __ballot_sync(FULL_MASK, key == m && m != 0u);
+    if (bal != 0u && lane == __ffs(bal) - 1) key = 0u;
+  }
+}
+
 // Asynchronous 16-byte global -> shared copy (sm_80+); `valid` false zero-fills the destination.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
@@ -231,16 +272,7 @@ __device__ void partial_attention(
       float kf[8];
       unpack8(*reinterpret_cast<const uint4*>(Ks + i * A::KPAD + ch * 8), kf);
 #pragma unroll
-      for (int h = 0; h < G; ++h) {
-        const float4 qa = *reinterpret_cast<const float4*>(qs + h * D + ch * 8);
-        const float4 qb = *reinterpret_cast<const float4*>(qs + h * D + ch * 8 + 4);
-        float a = acc[h];
-        a = fmaf(qa.x, kf[0], a); a = fmaf(qa.y, kf[1], a);
-        a = fmaf(qa.z, kf[2], a); a = fmaf(qa.w, kf[3], a);
-        a = fmaf(qb.x, kf[4], a); a = fmaf(qb.y, kf[5], a);
-        a = fmaf(qb.z, kf[6], a); a = fmaf(qb.w, kf[7], a);
-        acc[h] = a;
-      }
+      for (int h = 0; h < G; ++h) acc[h] = fma8(acc[h], qs + h * D + ch * 8, kf);
     }
 #pragma unroll
     for (int off = A::NG / 2; off >= 1; off >>= 1) {

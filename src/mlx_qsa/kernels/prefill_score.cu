@@ -134,8 +134,7 @@ for (int t = t_begin; t < t_end; ++t) {
 #pragma unroll
         for (int h = 1; h < HI; ++h) tot = __fadd_rn(tot, acc[h][nt][e] > 0.f ? acc[h][nt][e] : 0.f);
         const int b = c0 + nt * 8 + ak + (e & 1);
-        const float score = __fdiv_rn(tot, 11.313708305358887f);
-        v[e] = __fsub_rn(score, __fmul_rn((float)b, 1e-12f));
+        v[e] = qsa::adjusted_score(tot, b);
         const unsigned key = b < ((e >> 1) ? nbB : nbA) ? qsa::ord_key(v[e]) : 0u;
         ((e >> 1) ? keyB : keyA)[2 * nt + (e & 1)] = key;
       }

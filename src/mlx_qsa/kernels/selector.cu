@@ -16,13 +16,19 @@
 // Template: HI, RATIO, L, NT; dynamic shared memory score_smem_bytes(NT) (selector.py).
 constexpr int DI = 128, KS = DI + 8;
 #ifdef QSA_SPLIT_HEADS
-constexpr int QROW = DI + 4;
+// HI threads per block key, one per indexer head (NB = NT / HI keys per CTA): each thread's dot
+// product is one head's, d = 0..127 in order, and the first lane of the key's HI sums the heads
+// in order h = 0..HI-1, so the scores are the one-thread form's bits with 1 / HI of its chain.
+// The chunk summaries go through shared memory (a 32-key chunk spans HI warps). Query rows are
+// padded to DI + 4 floats so the HI heads of a key read distinct banks.
+constexpr int QROW = DI + 4, NB = NT / HI;
+static_assert(HI == 2 || HI == 4 || HI == 8, "HI must divide a warp");
 #else
-constexpr int QROW = DI;
+constexpr int QROW = DI, NB = NT;  // one thread per block key
 #endif
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 float* qs = reinterpret_cast<float*>(qsa_dyn_smem);  // qs[(r * HI + h) * QROW + d], 64 rows
-__nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(qsa_dyn_smem + 64 * QROW * 4);  // [..][KS]
+__nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(qsa_dyn_smem + 64 * QROW * 4);  // [NB][KS]
 __shared__ int nbs_s[64];
 const int tid = threadIdx.x;
 const int S = index_q_shape[2];
@@ -37,19 +43,8 @@ for (int r = tid; r < S; r += blockDim.x) {
 __syncthreads();
 int maxnb = 0;
 for (int r = 0; r < S; ++r) maxnb = max(maxnb, nbs_s[r]);
-#ifdef QSA_SPLIT_HEADS
-// HI threads per block key, one per indexer head (NB = NT / HI keys per CTA): each thread's dot
-// product is one head's, d = 0..127 in order, and the quad's first lane sums the heads in
-// order h = 0..HI-1, so the scores are the one-thread form's bits with a quarter of its chain.
-// The chunk summaries go through shared memory (a 32-key chunk spans HI warps). Query rows are
-// padded to DI + 4 floats so the HI heads of a quad read distinct banks.
-constexpr int NB = NT / HI, QS = QROW;
-static_assert(HI == 1 || HI == 2 || HI == 4 || HI == 8, "HI must divide a warp");
-__shared__ unsigned keys_s[NB];
 const int b0 = blockIdx.x * NB;
-const bool cta_on = b0 < maxnb;  // else the whole CTA is past every row's blocks
-const int kb = tid / HI, hh = tid % HI, b = b0 + kb;
-if (cta_on) {
+if (b0 < maxnb) {  // else the whole CTA is past every row's blocks (uniform: barriers are safe)
   const int nrows = min(NB, maxnb - b0);
   for (int i = tid; i < NB * (DI / 8); i += blockDim.x) {
     const int kr = i / (DI / 8), c = i % (DI / 8);
@@ -58,79 +53,50 @@ if (cta_on) {
   }
   for (int i = tid; i < S * HI * DI; i += blockDim.x) {  // overlaps the copies in flight
     const int r = i / (HI * DI), h = (i / DI) % HI, d = i % DI;
-    qs[(r * HI + h) * QS + d] = qsa::bf_to_f(index_q[((long long)h * S + r) * DI + d]);
-  }
-  qsa::cp_async_wait_all();
-}
-__syncthreads();
-const __nv_bfloat16* krow = ks + kb * KS;
-for (int r = 0; r < S && cta_on; ++r) {  // cta_on is uniform over the CTA: barriers are safe
-  const bool ok = b < nbs_s[r];
-  float acc = 0.f;
-  if (ok) {
-    const float* qh = qs + (r * HI + hh) * QS;
-#pragma unroll 4
-    for (int c = 0; c < DI / 8; ++c) {
-      float kf[8];
-      qsa::unpack8(*reinterpret_cast<const uint4*>(krow + c * 8), kf);
-      const float4 qa = *reinterpret_cast<const float4*>(qh + c * 8);
-      const float4 qb = *reinterpret_cast<const float4*>(qh + c * 8 + 4);
-      acc = fmaf(qa.x, kf[0], acc); acc = fmaf(qa.y, kf[1], acc);
-      acc = fmaf(qa.z, kf[2], acc); acc = fmaf(qa.w, kf[3], acc);
-      acc = fmaf(qb.x, kf[4], acc); acc = fmaf(qb.y, kf[5], acc);
-      acc = fmaf(qb.z, kf[6], acc); acc = fmaf(qb.w, kf[7], acc);
-    }
-  }
-  float heads[HI];
-#pragma unroll
-  for (int h = 0; h < HI; ++h) heads[h] = __shfl_down_sync(qsa::FULL_MASK, acc, h, HI);
-  unsigned key = 0u;
-  if (ok && hh == 0) {
-    // ReLU per head, head sum in order h = 0..HI-1, float32 division, then the id adjustment
-    float tot = heads[0] > 0.f ? heads[0] : 0.f;
-#pragma unroll
-    for (int h = 1; h < HI; ++h) tot = __fadd_rn(tot, heads[h] > 0.f ? heads[h] : 0.f);
-    const float score = __fdiv_rn(tot, 11.313708305358887f);
-    const float a = __fsub_rn(score, __fmul_rn((float)b, 1e-12f));
-    adj[r * npad + b] = a;
-    key = qsa::ord_key(a);
-  }
-  if (hh == 0) keys_s[kb] = key;
-  __syncthreads();
-  const int w = tid >> 5, lane = tid & 31;
-  if (w < NB / 32 && b0 + w * 32 < maxnb) {  // warp w: the summaries of the CTA's chunk w
-    unsigned k = keys_s[w * 32 + lane];
-    unsigned* srow = summ + (r * (npad / 32) + (b0 >> 5) + w) * L;
-#pragma unroll
-    for (int j = 0; j < L; ++j) {
-      const unsigned m = __reduce_max_sync(qsa::FULL_MASK, k);
-      if (lane == 0) srow[j] = m;
-      const unsigned bal = __ballot_sync(qsa::FULL_MASK, k == m && m != 0u);
-      if (bal != 0u && lane == __ffs(bal) - 1) k = 0u;
-    }
-  }
-  __syncthreads();
-}
-#else
-const int b0 = blockIdx.x * NT;
-if (b0 < maxnb) {  // else the whole CTA is past every row's blocks
-  const int nrows = min(NT, maxnb - b0);
-  for (int i = tid; i < NT * (DI / 8); i += blockDim.x) {
-    const int kr = i / (DI / 8), c = i % (DI / 8);
-    const bool ok = kr < nrows;
-    qsa::cp_async16(ks + kr * KS + c * 8, pooled + (long long)(b0 + (ok ? kr : 0)) * DI + c * 8, ok);
-  }
-  for (int i = tid; i < S * HI * DI; i += blockDim.x) {  // overlaps the copies in flight
-    const int r = i / (HI * DI), h = (i / DI) % HI, d = i % DI;
-    qs[i] = qsa::bf_to_f(index_q[((long long)h * S + r) * DI + d]);
+    qs[i + (QROW - DI) * (i / DI)] = qsa::bf_to_f(index_q[((long long)h * S + r) * DI + d]);
   }
   qsa::cp_async_wait_all();
   __syncthreads();
 
+#ifdef QSA_SPLIT_HEADS
+  __shared__ unsigned keys_s[NB];
+  const int kb = tid / HI, hh = tid % HI, b = b0 + kb;
+  const __nv_bfloat16* krow = ks + kb * KS;
+  for (int r = 0; r < S; ++r) {
+    const bool ok = b < nbs_s[r];
+    float acc = 0.f;
+    if (ok) {
+      const float* qh = qs + (r * HI + hh) * QROW;
+#pragma unroll 4
+      for (int c = 0; c < DI / 8; ++c) {
+        float kf[8];
+        qsa::unpack8(*reinterpret_cast<const uint4*>(krow + c * 8), kf);
+        acc = qsa::fma8(acc, qh + c * 8, kf);
+      }
+    }
+    float heads[HI];
+#pragma unroll
+    for (int h = 0; h < HI; ++h) heads[h] = __shfl_down_sync(qsa::FULL_MASK, acc, h, HI);
+    unsigned key = 0u;
+    if (ok && hh == 0) {
+      const float a = qsa::adjusted_score(qsa::relu_head_sum<HI>(heads), b);
+      adj[r * npad + b] = a;
+      key = qsa::ord_key(a);
+    }
+    if (hh == 0) keys_s[kb] = key;
+    __syncthreads();
+    const int w = tid >> 5;
+    if (w < NB / 32 && b0 + w * 32 < maxnb) {  // warp w: the summaries of the CTA's chunk w
+      qsa::warp_top_keys<L>(keys_s[w * 32 + (tid & 31)],
+                            summ + (r * (npad / 32) + (b0 >> 5) + w) * L);
+    }
+    __syncthreads();
+  }
+#else
   const int b = b0 + tid;
   if ((b & ~31) < maxnb) {  // else the whole warp is past every row's blocks
     const __nv_bfloat16* krow = ks + tid * KS;
-    const int lane = tid & 31, chunk = b >> 5;
+    const int chunk = b >> 5;
     for (int r = 0; r < S; ++r) {
       const bool ok = b < nbs_s[r];
       unsigned key = 0u;
@@ -144,39 +110,17 @@ if (b0 < maxnb) {  // else the whole CTA is past every row's blocks
           float kf[8];
           qsa::unpack8(*reinterpret_cast<const uint4*>(krow + c * 8), kf);
 #pragma unroll
-          for (int h = 0; h < HI; ++h) {
-            const float* qh = qs + (r * HI + h) * DI + c * 8;
-            const float4 qa = *reinterpret_cast<const float4*>(qh);
-            const float4 qb = *reinterpret_cast<const float4*>(qh + 4);
-            float a = acc[h];
-            a = fmaf(qa.x, kf[0], a); a = fmaf(qa.y, kf[1], a);
-            a = fmaf(qa.z, kf[2], a); a = fmaf(qa.w, kf[3], a);
-            a = fmaf(qb.x, kf[4], a); a = fmaf(qb.y, kf[5], a);
-            a = fmaf(qb.z, kf[6], a); a = fmaf(qb.w, kf[7], a);
-            acc[h] = a;
-          }
+          for (int h = 0; h < HI; ++h) acc[h] = qsa::fma8(acc[h], qs + (r * HI + h) * DI + c * 8, kf);
         }
-        // ReLU per head, head sum in order h = 0..HI-1, float32 division, then the id adjustment
-        float tot = acc[0] > 0.f ? acc[0] : 0.f;
-#pragma unroll
-        for (int h = 1; h < HI; ++h) tot = __fadd_rn(tot, acc[h] > 0.f ? acc[h] : 0.f);
-        const float score = __fdiv_rn(tot, 11.313708305358887f);
-        const float a = __fsub_rn(score, __fmul_rn((float)b, 1e-12f));
+        const float a = qsa::adjusted_score(qsa::relu_head_sum<HI>(acc), b);
         adj[r * npad + b] = a;
         key = qsa::ord_key(a);
       }
-      unsigned* srow = summ + (r * (npad / 32) + chunk) * L;
-#pragma unroll
-      for (int j = 0; j < L; ++j) {
-        const unsigned m = __reduce_max_sync(qsa::FULL_MASK, key);
-        if (lane == 0) srow[j] = m;
-        const unsigned bal = __ballot_sync(qsa::FULL_MASK, key == m && m != 0u);
-        if (bal != 0u && lane == __ffs(bal) - 1) key = 0u;
-      }
+      qsa::warp_top_keys<L>(key, summ + (r * (npad / 32) + chunk) * L);
     }
   }
-}
 #endif
+}
 #ifdef QSA_FUSED
 // Hand-off: every CTA takes a ticket once its scores and summaries are out; the last S take one
 // row each and wait for the rest (at most S - 1 < 8 CTAs spin, and only for CTAs that took

@@ -1,0 +1,103 @@
+"""PTX of the decode/prefill kernels as `mx.fast.cuda_kernel` would build them, without a GPU:
+the header (common.cuh) and the sections of each `.cu`, behind MLX's generated signature (a
+stand-in `Shape`/`Strides`), compiled by nvcc for sm_90a with comments stripped. Two trees'
+outputs compared line by line show whether a source change altered any kernel's code.
+
+    python3 benchmarks/kernel_ptx.py OUT_DIR          # then: diff -r OUT_A OUT_B
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from mlx_qsa.kernels._launch import common_header, kernel_sections
+
+_PRE = (
+    "#include <cuda_bf16.h>\n#include <cstdint>\nnamespace mlx::core::cu {\n"
+    "struct Shape {\n  int d[10];\n  __device__ int operator[](int i) const { return d[i]; }\n};\n"
+    "struct Strides {\n  long long d[10];\n"
+    "  __device__ long long operator[](int i) const { return d[i]; }\n};\n}\n"
+)
+BF = "__nv_bfloat16"
+SEL_IN = [("index_q", BF), ("pooled", BF), ("pos", "int32_t")]
+SEL_OUT = [("adj", "float"), ("summ", "uint32_t"), ("nbs", "int32_t")]
+TK_OUT = [("ids", "int32_t"), ("valid", "bool"), ("scores", "float")]
+ROWS = [("slots", "int32_t"), ("slot_valid", "bool")]
+SEL_T = [("HI", 4), ("RATIO", 4), ("L", 8)]
+TOPK_T = [("K", 512), ("CAP", 4096)]
+FUSED = "#define QSA_FUSED\n"
+JOBS = {
+    "score": ("selector.cu", "score", SEL_IN, SEL_OUT, SEL_T + [("NT", 128)], ""),
+    "topk": (
+        "selector.cu", "topk+select",
+        [("adj", "float"), ("summ", "uint32_t"), ("nbs", "int32_t"), ("pos", "int32_t")],
+        TK_OUT, [("K", 512), ("RATIO", 4), ("L", 8), ("CAP", 4096), ("NT", 512)], "",
+    ),
+    "fused": (
+        "selector.cu", "score+select", SEL_IN + [("ctr", "int32_t")], SEL_OUT + TK_OUT,
+        SEL_T + [("NT", 256)] + TOPK_T, FUSED,
+    ),
+    "fused_rows": (
+        "selector.cu", "score+select", SEL_IN + [("ctr", "int32_t")], SEL_OUT + TK_OUT + ROWS,
+        SEL_T + [("NT", 256)] + TOPK_T, FUSED + "#define QSA_ROW_TOKENS\n",
+    ),
+    "fused_split": (
+        "selector.cu", "score+select", SEL_IN + [("ctr", "int32_t")], SEL_OUT + TK_OUT,
+        SEL_T + [("NT", 512)] + TOPK_T, FUSED + "#define QSA_SPLIT_HEADS\n",
+    ),
+    "flash": (
+        "flash_decode.cu", "partial",
+        [("q", BF), ("keys", BF), ("values", BF), ("block_ids", "int32_t"),
+         ("block_valid", "bool"), ("tlen", "int32_t"), ("ctr", "int32_t")],
+        [("part_o", "float"), ("part_ml", "float"), ("out", BF)],
+        [("D", 256), ("G", 12), ("TOK", 32), ("RATIO", 4), ("K", 512), ("NSPLIT", 65),
+         ("SCALE_BITS", 1031798784), ("NT", 256), ("TOFF", 1)], FUSED,
+    ),
+    "prefill_score": (
+        "prefill_score.cu", "score", SEL_IN, SEL_OUT, [("RATIO", 4), ("L", 8), ("GB", 4)], "",
+    ),
+}  # fmt: skip
+
+
+def source(filename, section, inputs, outputs, template, prefix) -> str:
+    sections = kernel_sections(filename)
+    body = prefix + "".join(sections[p] for p in section.split("+"))
+    params = []
+    for n, t in inputs:
+        params.append(f"const {t}* {n}")
+        for suffix, kind in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
+            if n + suffix in body:
+                params.append(f"const __grid_constant__ {kind} {n}{suffix}")
+    params += [f"{t}* {n}" for n, t in outputs]
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
+    return (
+        _PRE + common_header() + "namespace mlx::core::cu {\n__global__ void kernel("
+        + ", ".join(params) + ") {\n" + consts + body + "\n}\n}\n"
+    )  # fmt: skip
+
+
+def main() -> None:
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    for name, job in JOBS.items():
+        cu, ptx = f"{out}/{name}.cu", f"{out}/{name}.ptx"
+        with open(cu, "w") as f:
+            f.write(source(*job))
+        r = subprocess.run(
+            ["nvcc", "-arch=sm_90a", "-std=c++17", "-ptx", "-o", ptx, cu],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if r.returncode:
+            print(f"{name}: nvcc failed\n{r.stderr[-2000:]}")
+            continue
+        with open(ptx) as f:
+            lines = [line for line in f.read().splitlines() if not line.lstrip().startswith("//")]
+        with open(ptx, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print(f"{name}: {len(lines)} lines of PTX")
+
+
+if __name__ == "__main__":
+    main()
