@@ -49,10 +49,6 @@ class CoreInputs:
     positions: mx.array  # int32 [S], the rows' absolute positions (= their raw-key rows)
     win_start: mx.array  # int32 [1], first block of the staging window
     penalty: mx.array  # float32 [cap_pool]
-    # int32 [2]: the hand-off counter of a one-launch CUDA selector, a fresh slot per call
-    # (`kernels._launch.counter_slot`). An input, not a constant of the trace: replays of one
-    # graph that run concurrently must not share a counter. None: one is taken per call here.
-    ctr: mx.array | None = None
 
 
 def _graph(
@@ -145,7 +141,9 @@ class IndexerCore:
             inputs.positions,
             inputs.win_start,
             inputs.penalty,
-            inputs.ctr if inputs.ctr is not None else counter_slot(),
+            # the one-launch CUDA selector's hand-off counter: a fresh slot per call, passed as an
+            # input (a constant of the trace would be shared by concurrent replays of the graph)
+            counter_slot(),
         )
         # Account only once the graph has been built without error.
         self._graphs[(key.label, impl)] = fn

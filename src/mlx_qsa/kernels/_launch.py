@@ -148,7 +148,7 @@ def counter_slot() -> mx.array:
 # the same signature only run it (FlashInfer's plan/run split): a decode step re-checks
 # nothing, since each check and each attribute read is host time on every layer and step.
 
-Run = Callable[[list], Any]
+Run = Callable[..., Any]  # a planned launch: called with the call's arrays
 _PLAN_MAX = 512
 
 
@@ -166,9 +166,6 @@ class Plans:
                 self._runs.pop(next(iter(self._runs)))
             self._runs[sig] = run
         return run
-
-    def clear(self) -> None:
-        self._runs.clear()
 
 
 def signature(arrays: tuple, *options) -> tuple:

@@ -22,8 +22,6 @@ _CAP = 4096  # candidates the top-k pass keeps in shared memory
 _NT_TOPK = 512
 _NT_SCORE = 128  # threads (= block keys) of a score CTA in the two-launch form
 _NT_FUSED = 256  # threads of a CTA of the one-launch form (its top-k runs on one of them)
-
-
 _NT_SPLIT = 512  # threads of a one-launch CTA whose block keys take one thread per head
 
 
@@ -317,13 +315,12 @@ def _plan_fused(
     nt = _NT_SPLIT if split else _NT_FUSED
     keys_per_cta = nt // split if split else nt
     rows = mode == "row_tokens"
-    outputs = ("adj", "summ", "nbs", "ids", "valid", "scores")
-    outputs += ("slots", "slot_valid") if rows else ()
+    names, shapes, dtypes = _top_k_outputs(S, K, ratio, rows)
     kernel = _launch.build(
         "selector.cu",
         "score+select",
         ("index_q", "pooled", "pos", "ctr"),
-        outputs,
+        ("adj", "summ", "nbs") + names,
         ("fused", mode) + (("split",) if split else ()),
         shared_memory=fused_smem_bytes(npad, split),
         ensure_row_contiguous=True,
@@ -333,11 +330,8 @@ def _plan_fused(
     )
     template = [("HI", n_heads), ("RATIO", ratio), ("L", _L), ("NT", nt)]
     template += [("K", K), ("CAP", _CAP)]
-    shapes = [(S, npad), (S, npad // 32 * _L), (S,), (S, K), (S, K), (S, K)]
-    dtypes = [mx.float32, mx.uint32, mx.int32, mx.int32, mx.bool_, mx.float32]
-    if rows:
-        shapes += [(S, K * ratio + ratio)] * 2
-        dtypes += [mx.int32, mx.bool_]
+    shapes = [(S, npad), (S, npad // 32 * _L), (S,)] + shapes
+    dtypes = [mx.float32, mx.uint32, mx.int32] + dtypes
     n_cta = max(-(-npad // keys_per_cta), S)  # every row needs a CTA of its own at the end
 
     def run(q, pooled, pos, ctr=None):
@@ -372,10 +366,23 @@ def top_k_from_plane(
     return _plan_top_k(adj.shape[0], block_topk, ratio, npad, mode)(adj, summ, nbs, pos)
 
 
+def _top_k_outputs(S: int, K: int, ratio: int, rows: bool) -> tuple[tuple, list, list]:
+    """Names, shapes and dtypes of the `select` section's outputs (either kernel that runs it):
+    ids, valid, scores, and in `row_tokens` mode (`rows`) slots and slot_valid."""
+    names = ("ids", "valid", "scores")
+    shapes = [(S, K), (S, K), (S, K)]
+    dtypes = [mx.int32, mx.bool_, mx.float32]
+    if rows:
+        names += ("slots", "slot_valid")
+        shapes += [(S, K * ratio + ratio)] * 2
+        dtypes += [mx.int32, mx.bool_]
+    return names, shapes, dtypes
+
+
 @functools.lru_cache(maxsize=256)
 def _plan_top_k(S: int, K: int, ratio: int, npad: int, mode: str):
     rows = mode == "row_tokens"
-    outputs = ("ids", "valid", "scores") + (("slots", "slot_valid") if rows else ())
+    outputs, shapes, dtypes = _top_k_outputs(S, K, ratio, rows)
     # One size class per bitmap bound, so the dynamic shared memory never changes under a name.
     smem = topk_smem_bytes(npad)
     topk = _launch.build(
@@ -388,11 +395,6 @@ def _plan_top_k(S: int, K: int, ratio: int, npad: int, mode: str):
         ensure_row_contiguous=True,
         prefix="#define QSA_ROW_TOKENS\n" if rows else "",
     )
-    shapes = [(S, K), (S, K), (S, K)]
-    dtypes = [mx.int32, mx.bool_, mx.float32]
-    if rows:
-        shapes += [(S, K * ratio + ratio)] * 2
-        dtypes += [mx.int32, mx.bool_]
     template = [("K", K), ("RATIO", ratio), ("L", _L), ("CAP", _CAP), ("NT", _NT_TOPK)]
 
     def run(adj, summ, nbs, pos):
