@@ -46,7 +46,7 @@ from .indexer import (
     Selection,
     block_penalty,
     cuda_selector_supports,
-    row_token_slots,
+    select_row_tokens,
     select_rows,
 )
 from .layer import QSAAttention
@@ -184,14 +184,13 @@ def qsa_step(cfg: QSAConfig, s: DecodeSet, impl: str) -> tuple[mx.array, Selecti
     else:
         keys_t = s.pooled[0].astype(mx.float32).T
         penalty = block_penalty(keys_t.shape[1])
-    ids, valid, scores = select_rows(
-        s.index_q, keys_t, penalty, s.positions, r, K, s.rows, s.pooled, impl
-    )
+    args = (s.index_q, keys_t, penalty, s.positions, r, K, s.rows, s.pooled, impl)
     if s.rows == 1:
+        ids, valid, scores = select_rows(*args)
         sel = Selection("blocks", ids=ids, valid=valid, scores=scores, tail_start=s.T // r * r)
-    else:
-        slots, slot_valid = row_token_slots(ids, valid, s.positions, r)
-        sel = Selection("row_tokens", ids=ids, valid=valid, slots=slots, slot_valid=slot_valid)
+    else:  # the layer's row_tokens selection (the CUDA selector writes the slots itself)
+        slots, slot_valid = select_row_tokens(*args)
+        sel = Selection("row_tokens", slots=slots, slot_valid=slot_valid)
     cplan = _consumer_plan(plan.CallShape(s.rows, P, r, K), sel.kind)
     o = dispatch(cplan, s.q, s.keys, s.values, sel, s.positions, s.T, r, cfg.scale, impl)
     return o, sel
@@ -221,6 +220,9 @@ def primitive_counts(*arrays: mx.array) -> dict[str, Any]:
 
 def token_lists(sel: Selection, positions: np.ndarray, ratio: int) -> list[np.ndarray]:
     """Per row, the token positions the selection attends (blocks' tokens, then the tail)."""
+    if sel.kind == "row_tokens":  # the slots are already that list, with their validity
+        slots, ok = np.array(sel.slots), np.array(sel.slot_valid)
+        return [slots[i][ok[i]] for i in range(len(positions))]
     ids, valid = np.array(sel.ids), np.array(sel.valid)
     out = []
     for i, p in enumerate(positions):
@@ -392,10 +394,11 @@ def bench_decode_point(
     pos = np.array(sets[0].positions)
     tokens = token_lists(base_sel, pos, cfg.indexer_compress_ratio)
     ref = reference_attention(sets[0], tokens, scale)
+    fields = ("slots", "slot_valid") if base_sel.kind == "row_tokens" else ("ids", "valid")
     for impl, (o, sel) in outs.items():
         same = all(
             np.array_equal(np.array(getattr(sel, f)), np.array(getattr(base_sel, f)))
-            for f in ("ids", "valid")
+            for f in fields
         )
         rec["checks"][f"qsa_{impl}"] = {"rel_err": rel_err(o[0], ref), "selection_equal": same}
     ids, keep = gather_inputs(tokens)

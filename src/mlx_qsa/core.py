@@ -25,7 +25,7 @@ from .indexer import (
     dense_keep_mask,
     pool_blocks,
     prepare_queries,
-    row_token_slots,
+    select_row_tokens,
     select_rows,
     split_qk_rows,
 )
@@ -91,14 +91,16 @@ def _graph(
             return raw, pooled
         q = prepare_queries(q_raw, q_norm_w, cos_rows, sin_rows, g)
         keys_t = pooled[0].astype(mx.float32).T
+        if mode == "row_tokens":
+            slots, slot_valid = select_row_tokens(
+                q, keys_t, penalty, positions, g.ratio, g.block_topk, chunk, pooled, impl, ctr
+            )
+            return raw, pooled, slots, slot_valid
         ids, valid, scores = select_rows(
             q, keys_t, penalty, positions, g.ratio, g.block_topk, chunk, pooled, impl, ctr=ctr
         )
         if mode in ("blocks", "prefill_blocks"):
             return raw, pooled, ids, valid, scores
-        if mode == "row_tokens":
-            slots, slot_valid = row_token_slots(ids, valid, positions, g.ratio)
-            return raw, pooled, slots, slot_valid
         mask = dense_keep_mask(ids, valid, positions, key.dense_output_tokens, g.ratio)
         return raw, pooled, mask
 

@@ -247,6 +247,33 @@ class Selection:
     tail_start: int = 0
 
 
+def select_row_tokens(
+    q: mx.array,
+    keys_t: mx.array | None,
+    penalty: mx.array | None,
+    positions: mx.array,
+    ratio: int,
+    k: int,
+    chunk: int,
+    pooled: mx.array | None = None,
+    impl: str = "portable",
+    ctr: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """The `row_tokens` selection `(slots, slot_valid)` `[S, k·r + r]` of every row (RUNTIME
+    §7): :func:`select_rows`, then :func:`row_token_slots`. Where the CUDA selector runs, it
+    writes the slots itself (the same values), so no portable ops follow it: each one is a
+    primitive, and host time, per step."""
+    if impl == "cuda" and pooled is not None and cuda_selector_supports(q, pooled):
+        from .kernels.selector import select_blocks_cuda
+
+        out = select_blocks_cuda(
+            q, pooled, positions, block_topk=k, ratio=ratio, mode="row_tokens", ctr=ctr
+        )
+        return out[3], out[4]
+    ids, valid, _ = select_rows(q, keys_t, penalty, positions, ratio, k, chunk, pooled, impl, ctr)
+    return row_token_slots(ids, valid, positions, ratio)
+
+
 def row_token_slots(
     ids: mx.array, valid: mx.array, positions: mx.array, ratio: int
 ) -> tuple[mx.array, mx.array]:

@@ -28,6 +28,7 @@ from .indexer import (
     pool_blocks,
     prepare_queries,
     row_token_slots,
+    select_row_tokens,
     select_rows,
     split_qk_rows,
 )
@@ -581,25 +582,17 @@ class QSAAttention(nn.Module):
         cos_q, sin_q = self._index_tables(P, T, vision)
         q = prepare_queries(q_raw, self.indexer.q_layernorm.weight, cos_q, sin_q, g)
         chunk = self._eager_chunk(iplan, S, keys_t.shape[1], q.dtype, u.pooled.dtype)
-        ids, valid, scores = select_rows(
-            q,
-            keys_t,
-            block_penalty(keys_t.shape[1]),
-            rows,
-            g.ratio,
-            g.block_topk,
-            chunk,
-            u.pooled,
-            self.impl,
-        )
         kind = iplan.selection
+        args = (q, keys_t, block_penalty(keys_t.shape[1]), rows, g.ratio, g.block_topk, chunk)
+        if kind == "row_tokens":
+            slots, slot_valid = select_row_tokens(*args, u.pooled, self.impl)
+            return Selection(kind, slots=slots, slot_valid=slot_valid)
+        ids, valid, scores = select_rows(*args, u.pooled, self.impl)
         if kind in ("blocks", "prefill_blocks"):
             return Selection(
                 kind, ids=ids, valid=valid, scores=scores, tail_start=T // g.ratio * g.ratio
             )
         slots, slot_valid = row_token_slots(ids, valid, rows, g.ratio)
-        if kind == "row_tokens":
-            return Selection(kind, slots=slots, slot_valid=slot_valid)
         if kind == "token_list":
             k_eff = min(g.block_topk, nb)
             tail = T % g.ratio
