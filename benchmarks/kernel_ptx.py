@@ -55,6 +55,34 @@ JOBS = {
         [("D", 256), ("G", 12), ("TOK", 32), ("RATIO", 4), ("K", 512), ("NSPLIT", 65),
          ("SCALE_BITS", 1031798784), ("NT", 256), ("TOFF", 1)], FUSED,
     ),
+    "flash_two": (
+        "flash_decode.cu", "partial",
+        [("q", BF), ("keys", BF), ("values", BF), ("block_ids", "int32_t"),
+         ("block_valid", "bool"), ("tlen", "int32_t")],
+        [("part_o", "float"), ("part_ml", "float")],
+        [("D", 256), ("G", 12), ("TOK", 32), ("RATIO", 4), ("K", 512), ("NSPLIT", 65),
+         ("SCALE_BITS", 1031798784), ("NT", 256), ("TOFF", 1)], "",
+    ),
+    "flash_merge": (
+        "flash_decode.cu", "merge", [("part_o", "float"), ("part_ml", "float")], [("out", BF)],
+        [("D", 256), ("NSPLIT", 65), ("NT", 256)], "",
+    ),
+    "rows": (
+        "rows_gather.cu", "partial",
+        [("q", BF), ("keys", BF), ("values", BF), ("slots", "int32_t"), ("slot_valid", "bool"),
+         ("ctr", "int32_t")],
+        [("part_o", "float"), ("part_ml", "float"), ("out", BF)],
+        [("D", 256), ("G", 12), ("TOK", 64), ("HKV", 2), ("W", 2052), ("NSPLIT", 33),
+         ("SCALE_BITS", 1031798784), ("NT", 256)], FUSED,
+    ),
+    "rows_d64": (
+        "rows_gather.cu", "partial",
+        [("q", BF), ("keys", BF), ("values", BF), ("slots", "int32_t"), ("slot_valid", "bool"),
+         ("ctr", "int32_t")],
+        [("part_o", "float"), ("part_ml", "float"), ("out", BF)],
+        [("D", 64), ("G", 3), ("TOK", 32), ("HKV", 2), ("W", 70), ("NSPLIT", 3),
+         ("SCALE_BITS", 1031798784), ("NT", 256)], FUSED,
+    ),
     "prefill_score": (
         "prefill_score.cu", "score", SEL_IN, SEL_OUT, [("RATIO", 4), ("L", 8), ("GB", 4)], "",
     ),
@@ -92,11 +120,15 @@ def main() -> None:
         if r.returncode:
             print(f"{name}: nvcc failed\n{r.stderr[-2000:]}")
             continue
+        r = subprocess.run(
+            ["ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, ptx], capture_output=True, text=True
+        )
+        regs = [w for w in r.stderr.split(",") if "registers" in w or "smem" in w]
         with open(ptx) as f:
             lines = [line for line in f.read().splitlines() if not line.lstrip().startswith("//")]
         with open(ptx, "w") as f:
             f.write("\n".join(lines) + "\n")
-        print(f"{name}: {len(lines)} lines of PTX")
+        print(f"{name}: {len(lines)} lines of PTX;{','.join(regs).strip()}")
 
 
 if __name__ == "__main__":

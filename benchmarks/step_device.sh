@@ -7,6 +7,14 @@
 # select:  one-launch against two-launch selector (MLX_QSA_SELECT_ONE_LAUNCH=1|0) at 8K-128K:
 #          step_profile and the kernels' warm-cache times (ncu --cache-control none)
 # ab:      step_profile of this tree against an older one in .old/src (carried), interleaved
+# ab2:     the same, once each, 1 and 4 rows
+# ktests:  the CUDA decode tests and the layer's concurrent-counter test only (a shorter `tests`)
+# warm:    every kernel's warm-cache time at 8K and 128K, one launch each and two (ncu)
+# split:   the one-launch selector scoring with one thread per indexer head against the default
+#          (MLX_QSA_SELECT_SPLIT_HEADS=1|0): warm-cache kernel times and (unless SPLIT_NCU_ONLY
+#          is set) step_profile at 8K-256K
+# rows:    2-8 verify rows at 128K: warm-cache kernel times (ncu) and step_profile
+# topkncu: Nsight Compute's source counters and warp states of the two-launch top-k at 128K
 set -uo pipefail
 OUT="${OUT:-/tmp/qsa-out}"
 mkdir -p "$OUT"
@@ -52,6 +60,55 @@ for what in "$@"; do
           "$OUT/ab_$(echo $tree | tr / _).json" --contexts 8192,131072 2>&1 | grep '^T=' \
           | tee -a "$OUT/ab.log"
       done ;;
+    ab2)  # one pass each, rows 1 and 4, fewer sets
+      for tree in .old/src src; do
+        echo "== $tree" | tee -a "$OUT/ab.log"
+        PYTHONPATH="$PWD/$tree:$PYTHONPATH" timeout 100 python3 benchmarks/step_profile.py \
+          "$OUT/ab2_$(echo $tree | tr / _).json" --contexts 8192,131072 --rows 1,4 --sets 4 \
+          2>&1 | grep '^T=' | tee -a "$OUT/ab.log"
+      done ;;
+    ktests)
+      timeout 240 python3 -m pytest -o addopts= -q -x -rs -p no:cacheprovider \
+        tests/test_cuda_decode.py "tests/test_cuda_layer.py::test_concurrent_calls_of_one_compiled_graph_use_their_own_counters" \
+        2>&1 | tee "$OUT/ktests.log" | tail -6
+      rc=$((rc | PIPESTATUS[0])) ;;
+    warm)
+      for ol in 1 0; do
+        MLX_QSA_ONE_LAUNCH=$ol MLX_QSA_SELECT_ONE_LAUNCH=$ol timeout 100 ncu --clock-control none \
+          --cache-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
+          python3 benchmarks/step_profile.py "$OUT/w$ol.json" --contexts 8192,131072 --sets 2 \
+          --ncu-steps 3 > "$OUT/ncu_warm$ol.csv" 2>/dev/null
+        python3 benchmarks/ncu_summary.py "$OUT/ncu_warm$ol.csv" 2 | tee -a "$OUT/warm.log"
+      done ;;
+    split)
+      for sh in 1 0; do
+        MLX_QSA_SELECT_ONE_LAUNCH=1 MLX_QSA_SELECT_SPLIT_HEADS=$sh timeout 100 ncu --clock-control none \
+          --cache-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
+          python3 benchmarks/step_profile.py "$OUT/z$sh.json" --contexts 8192,131072,262144 \
+          --sets 2 --ncu-steps 3 > "$OUT/ncu_split$sh.csv" 2>/dev/null
+        python3 benchmarks/ncu_summary.py "$OUT/ncu_split$sh.csv" 3 | tee -a "$OUT/split.log"
+      done
+      if [ -z "${SPLIT_NCU_ONLY:-}" ]; then
+        for sh in 1 0; do
+          MLX_QSA_SELECT_ONE_LAUNCH=1 MLX_QSA_SELECT_SPLIT_HEADS=$sh timeout 100 python3 \
+            benchmarks/step_profile.py "$OUT/step_split$sh.json" --contexts 8192,131072,262144 \
+            2>&1 | grep '^T=' | sed "s/^/split=$sh /" | tee -a "$OUT/split.log"
+        done
+      fi ;;
+    rows)
+      timeout 120 ncu --clock-control none --cache-control none --profile-from-start off --csv \
+        --metrics gpu__time_duration.sum python3 benchmarks/step_profile.py "$OUT/r.json" \
+        --contexts 131072 --rows 1,2,4,8 --sets 2 --ncu-steps 3 > "$OUT/ncu_rows.csv" 2>/dev/null
+      python3 benchmarks/ncu_summary.py "$OUT/ncu_rows.csv" 4 | tee -a "$OUT/rows.log"
+      timeout 120 python3 benchmarks/step_profile.py "$OUT/step_rows.json" --contexts 131072 \
+        --rows 1,2,4,8 2>&1 | grep '^T=' | tee -a "$OUT/rows.log" ;;
+    topkncu)
+      MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 120 ncu --clock-control none --cache-control none \
+        --profile-from-start off -k "regex:topk|partial|score" -c 3 --section SourceCounters \
+        --section WarpStateStats --section LaunchStats --section Occupancy --import-source yes \
+        python3 benchmarks/step_profile.py "$OUT/t.json" --contexts 131072 --sets 2 \
+        --ncu-steps 1 > "$OUT/ncu_topk.txt" 2>&1
+      grep -v "^==PROF==" "$OUT/ncu_topk.txt" | tail -40 ;;
     *) echo "unknown step $what"; rc=1 ;;
   esac
 done

@@ -102,9 +102,10 @@ MERGERS_MAX = 64  # CTAs that merge in a one-launch split-K kernel (common.cuh m
 
 def one_launch_default(rows: int, d: int) -> bool:
     """Whether split-K attention over `rows` (query heads x query rows) of width `d` merges in
-    its own launch unless told: only when one thread per output element of at most
-    ``MERGERS_MAX`` CTAs covers the merge (H200, 2026-12-04, benchmarks/split_k_ab.py: one row
-    at 128K queued 55 us against 58 us; 8 rows, a 3x longer merge on 64 CTAs, 67 against 60 us).
+    its own launch unless told: only when at most ``MERGERS_MAX`` CTAs hold one output element
+    per thread (the merge tiles of ``merge_cols`` columns are lighter than that). H200,
+    2026-12-04, benchmarks/split_k_ab.py: one row at 128K queued 55 us against 58 us; 8 rows, a
+    3x longer merge on 64 CTAs, 67 against 60 us.
     ``MLX_QSA_ONE_LAUNCH=0`` keeps the separate merge kernel (same bits), for side-by-side
     timing."""
     if one_launch_env() is False:
@@ -221,7 +222,8 @@ def plan_split_k(
         return run_fused
     partial = build(filename, "partial", inputs, ("part_o", "part_ml"), (), shared_memory)
     merge = build(filename, "merge", ("part_o", "part_ml"), ("out",), ())
-    merge_template = [("D", d), ("NSPLIT", nsplit)]
+    merge_template = [("D", d), ("NSPLIT", nsplit), ("NT", ATTN_THREADS)]
+    merge_grid = (rows * (d // merge_cols(d)) * ATTN_THREADS, 1, 1)
 
     def run_two(arrays: list) -> mx.array:
         part_o, part_ml = partial(
@@ -235,8 +237,8 @@ def plan_split_k(
         return merge(
             inputs=[part_o, part_ml],
             template=merge_template,
-            grid=(rows * d, 1, 1),
-            threadgroup=(64, 1, 1),
+            grid=merge_grid,
+            threadgroup=block,
             output_shapes=[out_shape],
             output_dtypes=[out_dtype],
         )[0]
@@ -280,6 +282,13 @@ def float_bits(x: float) -> int:
 
 
 ATTN_THREADS = 256  # threads of the split-K attention CTAs (common.cuh partial_attention)
+
+
+def merge_cols(d: int) -> int:
+    """Columns of one split-K merge tile (common.cuh ``qsa::merge_cols``)."""
+    return min(d, 128)
+
+
 ATTN_MAX_TOKENS = 64  # the largest token tile a launcher passes to partial_attention
 
 

@@ -107,25 +107,32 @@ struct SelectResult {
 };
 
 // Exact k-th largest of the keys that get(i, key) marks as participating, i in [0, n),
-// by four 8-bit radix passes. 1 <= k <= number of participants. All NT threads call it.
+// by up to four 8-bit radix passes. 1 <= k <= number of participants. All NT threads call it.
 // With last_shift 8 or 16 it stops early: t is then the k-th largest key with its low
 // last_shift bits cleared (a lower bound of it; k_rem and n_eq refer to that prefix).
-// hist: 256 words, ctl: 4 words of shared memory.
+// It also stops as soon as every key sharing the k-th largest's prefix is needed (k_rem ==
+// n_eq): t is then that prefix with its low bits cleared, and {key >= t} is exactly the k
+// largest, as a caller that takes key > t and every key == t (k_rem == n_eq) expects.
+// hist: 512 words (two histograms: a pass fills one while the other is cleared, so a pass
+// costs two block barriers), ctl: 4 words of shared memory.
 template <int NT, typename Get>
 __device__ SelectResult block_select_desc(int n, int k, Get get, unsigned* hist, unsigned* ctl,
                                           int last_shift = 0) {
   const int tid = threadIdx.x;
   unsigned prefix = 0, mask = 0;
   int krem = k, neq = 0;
-  for (int shift = 24; shift >= last_shift; shift -= 8) {
-    for (int i = tid; i < 256; i += NT) hist[i] = 0;
-    __syncthreads();
+  for (int i = tid; i < 256; i += NT) hist[i] = 0;
+  __syncthreads();
+  int buf = 0;
+  for (int shift = 24; shift >= last_shift; shift -= 8, buf ^= 1) {
+    unsigned* h = hist + 256 * buf;
+    for (int i = tid; i < 256; i += NT) hist[256 * (buf ^ 1) + i] = 0;  // the next pass's
     for (int base = 0; base < n; base += NT) {
       int i = base + tid;
       unsigned key = 0;
       bool act = false;
       if (i < n) act = get(i, key) && ((key & mask) == prefix);
-      hist_add(hist, (key >> shift) & 255u, act);
+      hist_add(h, (key >> shift) & 255u, act);
     }
     __syncthreads();
     if (tid < 32) {
@@ -134,7 +141,7 @@ __device__ SelectResult block_select_desc(int n, int k, Get get, unsigned* hist,
       unsigned local = 0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        c[j] = hist[255 - 8 * lane - j];
+        c[j] = h[255 - 8 * lane - j];
         local += c[j];
       }
       unsigned incl = local;
@@ -164,6 +171,7 @@ __device__ SelectResult block_select_desc(int n, int k, Get get, unsigned* hist,
     neq = (int)ctl[2];
     prefix |= digit << shift;
     mask |= 255u << shift;
+    if (krem == neq) break;  // uniform: every thread read the same ctl
   }
   __syncthreads();
   return SelectResult{prefix, krem, neq};
@@ -202,7 +210,8 @@ __device__ int block_excl_scan(int v, int* buf, int* total) {
 
 // ---------------------------------------------------------------------------------------------
 // Split-K partial attention of G query heads (one KV head) over up to TOK tokens.
-// tok_s[i] (shared) is the token row of slot i, or -1 for an empty slot. Writes, per head hh,
+// tok_of(i) gives the token row of slot i, or -1 for an empty slot; it is called once per slot
+// and its result kept in tok_s (shared, TOK ints). Writes, per head hh,
 // the unnormalised float32 output o[hh * o_hstride + d] = sum_i exp(s_i - m) v_i and
 // ml[hh * ml_hstride + {0, 1}] = (m, l) with m = max_i s_i (-inf when no token), l = sum exp.
 // Shared memory: attn_smem_bytes<D, G, TOK, NT>() bytes at smem (16-byte aligned).
@@ -213,9 +222,13 @@ struct Attn {
   static constexpr int CPL = D / (8 * NG);  // 8-wide chunks per thread in the QK phase
   static constexpr int TG = NT / D;         // token groups in the PV phase
   static constexpr int TPG = TOK / TG;      // tokens per PV group
+  static constexpr int NW = NT / 32;
+  static constexpr int SPW = TOK / NW;      // slots a warp stages
+  static constexpr int QPT = (G * D + NT - 1) / NT;  // query elements a thread stages
   static_assert(NT % TOK == 0 && 32 % NG == 0 && NG >= 1, "TOK must divide NT, NT/TOK divide 32");
   static_assert(D % (8 * NG) == 0 && CPL >= 1, "D must be a multiple of 8 * NT / TOK");
   static_assert(NT % D == 0 && TOK % TG == 0 && TPG % 4 == 0, "PV split");
+  static_assert(TOK % NW == 0 && SPW <= 32, "whole slots per warp");
   static constexpr int K_BYTES = TOK * KPAD * 2;
   static constexpr int V_BYTES = TOK * D * 2;
   static constexpr int Q_BYTES = G * D * 4;
@@ -224,12 +237,12 @@ struct Attn {
   static constexpr int BYTES = K_BYTES + V_BYTES + Q_BYTES + S_BYTES + R_BYTES;
 };
 
-template <int D, int G, int TOK, int NT>
+template <int D, int G, int TOK, int NT, typename TokOf>
 __device__ void partial_attention(
     const __nv_bfloat16* q, long long q_hstride,
     const __nv_bfloat16* kbase, long long k_rstride,
     const __nv_bfloat16* vbase, long long v_rstride,
-    const int* tok_s, float scale,
+    TokOf tok_of, int* tok_s, float scale,
     float* o, long long o_hstride,
     float* ml, long long ml_hstride,
     unsigned char* smem) {
@@ -239,25 +252,42 @@ __device__ void partial_attention(
   float* qs = reinterpret_cast<float*>(smem + A::K_BYTES + A::V_BYTES);
   float* sc = reinterpret_cast<float*>(smem + A::K_BYTES + A::V_BYTES + A::Q_BYTES);
   float* red = reinterpret_cast<float*>(smem + A::K_BYTES + A::V_BYTES + A::Q_BYTES + A::S_BYTES);
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   constexpr int C8 = D / 8;
 
-  // Stage K and V rows of the slots (zeros for empty slots) and the queries.
-  for (int idx = tid; idx < TOK * C8; idx += NT) {
-    int i = idx / C8, c = idx - (idx / C8) * C8;
-    int t = tok_s[i];
-    uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
-    if (t >= 0) {
-      kv = *reinterpret_cast<const uint4*>(kbase + (long long)t * k_rstride + c * 8);
-      vv = *reinterpret_cast<const uint4*>(vbase + (long long)t * v_rstride + c * 8);
+  // Stage: the query loads, the slot lookups and then the K/V copies are all in flight at once
+  // (one dependent round trip: slot -> rows). Warp w looks up its SPW slots itself and copies
+  // their K and V rows by cp.async, zero-filling empty slots, with no block barrier between.
+  float qv[A::QPT];
+#pragma unroll
+  for (int j = 0; j < A::QPT; ++j) {
+    const int idx = j * NT + tid;
+    const int hh = idx / D, d = idx - (idx / D) * D;
+    qv[j] = idx < G * D ? bf_to_f(q[hh * q_hstride + d]) : 0.f;
+  }
+  int my_t = -1;
+  if (lane < A::SPW) {
+    my_t = tok_of(w * A::SPW + lane);
+    tok_s[w * A::SPW + lane] = my_t;
+  }
+#pragma unroll
+  for (int j = 0; j < A::SPW; ++j) {
+    const int i = w * A::SPW + j;
+    const int t = __shfl_sync(FULL_MASK, my_t, j);
+    const bool ok = t >= 0;
+    const long long toff = ok ? (long long)t : 0;
+#pragma unroll
+    for (int c = lane; c < C8; c += 32) {
+      cp_async16(Ks + i * A::KPAD + c * 8, kbase + toff * k_rstride + c * 8, ok);
+      cp_async16(Vs + i * D + c * 8, vbase + toff * v_rstride + c * 8, ok);
     }
-    *reinterpret_cast<uint4*>(Ks + i * A::KPAD + c * 8) = kv;
-    *reinterpret_cast<uint4*>(Vs + i * D + c * 8) = vv;
   }
-  for (int idx = tid; idx < G * D; idx += NT) {
-    int hh = idx / D, d = idx - (idx / D) * D;
-    qs[idx] = bf_to_f(q[hh * q_hstride + d]);
+#pragma unroll
+  for (int j = 0; j < A::QPT; ++j) {
+    const int idx = j * NT + tid;
+    if (idx < G * D) qs[idx] = qv[j];
   }
+  cp_async_wait_all();
   __syncthreads();
 
   // QK: thread (i, g) sums its chunks, the NG lanes of a token reduce by shuffles.
@@ -353,28 +383,107 @@ __device__ void partial_attention(
   }
 }
 
-// Log-sum-exp merge of NSPLIT partials of one (head, row): thread d of D.
-// o: [NSPLIT, D] partial outputs, ml: [NSPLIT, 2]; writes bf16 out[d]. No token at all -> 0.
+// Columns of one merge tile (_launch.merge_cols): a head row of D is D / merge_cols tiles.
+template <int D>
+__host__ __device__ constexpr int merge_cols() { return D < 128 ? D : 128; }
+
+// Floats of the shared buffer merge_tile works in: (m, l) and weights of the splits, M and L,
+// then (16-byte aligned) the sums of the split ranges.
+template <int NSPLIT>
+__host__ __device__ constexpr int merge_red_offset() { return (3 * NSPLIT + 2 + 3) / 4 * 4; }
+template <int D, int NSPLIT, int NT>
+__host__ __device__ constexpr int merge_smem_floats() {
+  return merge_red_offset<NSPLIT>() + NT / (merge_cols<D>() / 4) * merge_cols<D>();
+}
+
+// Log-sum-exp merge of NSPLIT partials of row rh, columns [c0, c0 + COLS), by a block of NT
+// threads: the row's partials are o[rh][NSPLIT][D] and ml[rh][NSPLIT][2]; writes bf16
+// out[rh * D + c]. No token at all -> 0. The order of every sum is fixed, so the bits do not
+// depend on who merges:
+// - the row's (m, l) are staged in shared memory; one warp takes their maximum M, the weights
+//   w_s = exp(m_s - M) and L = sum w_s l_s (lane-strided, then a fixed shuffle tree);
+// - thread (g, q) owns columns 4q..4q+3 (float4) of the g-th of SG = NT / (COLS / 4) contiguous
+//   split ranges, so it has only a few loads, all issued before its sum (the merge is a
+//   latency problem: one thread per column walking every split was ~16-deep load windows one
+//   after another); it sums w_s o_s in split order, and the ranges' sums add in range order.
+// buf: merge_smem_floats<D, NSPLIT, NT>() floats of shared memory, 16-byte aligned (a one-launch
+// kernel lends its dynamic shared memory: static arrays here would push the partial kernels past
+// the 48 KB a launch gets without opting in).
 // CG: read the partials through L2 only (__ldcg), for a merge inside the kernel that wrote them.
-template <int D, int NSPLIT, bool CG = false>
-__device__ void merge_splits(const float* o, const float* ml, int d, __nv_bfloat16* out) {
-  auto ld = [](const float* p) { return CG ? __ldcg(p) : *p; };
-  float M = neg_inf();
-#pragma unroll 16
-  for (int s = 0; s < NSPLIT; ++s) M = fmaxf(M, ld(ml + 2 * s));  // independent loads in flight
-  float res = 0.f;
-  if (M != neg_inf()) {
-    float L = 0.f, acc = 0.f;
-#pragma unroll 16
-    for (int s = 0; s < NSPLIT; ++s) {
-      float m = ld(ml + 2 * s);
-      float w = (m == neg_inf()) ? 0.f : expf(m - M);
-      L = fmaf(w, ld(ml + 2 * s + 1), L);
-      acc = fmaf(w, ld(o + (long long)s * D + d), acc);
-    }
-    res = acc / L;
+// Every thread of the block must call it (it has block barriers).
+template <int D, int NSPLIT, int NT, bool CG = false>
+__device__ void merge_tile(const float* part_o, const float* part_ml, __nv_bfloat16* out, int rh,
+                           int c0, float* buf) {
+  constexpr int COLS = merge_cols<D>();
+  constexpr int CQ = COLS / 4;            // column quads
+  constexpr int SG = NT / CQ;             // split ranges
+  constexpr int SPG = (NSPLIT + SG - 1) / SG;  // splits of a range
+  static_assert(NT % CQ == 0 && COLS % 4 == 0 && D % COLS == 0 && NT >= COLS, "merge tile");
+  float(*ml_s)[2] = reinterpret_cast<float(*)[2]>(buf);
+  float* w_s = buf + 2 * NSPLIT;
+  float* stat_s = buf + 3 * NSPLIT;  // M, L
+  float(*red_s)[COLS] = reinterpret_cast<float(*)[COLS]>(buf + merge_red_offset<NSPLIT>());
+  const int tid = threadIdx.x, lane = tid & 31;
+  for (int i = tid; i < NSPLIT * 2; i += NT) {
+    const float* p = part_ml + (long long)rh * NSPLIT * 2 + i;
+    (&ml_s[0][0])[i] = CG ? __ldcg(p) : *p;
   }
-  out[d] = __float2bfloat16(res);
+  __syncthreads();
+  if (tid < 32) {
+    float M = neg_inf();
+    for (int s = lane; s < NSPLIT; s += 32) M = fmaxf(M, ml_s[s][0]);
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, off));
+    float L = 0.f;
+    for (int s = lane; s < NSPLIT; s += 32) {
+      const float m = ml_s[s][0];
+      const float wgt = (m == neg_inf() || M == neg_inf()) ? 0.f : expf(m - M);
+      w_s[s] = wgt;
+      L = fmaf(wgt, ml_s[s][1], L);
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) L += __shfl_xor_sync(FULL_MASK, L, off);
+    if (lane == 0) {
+      stat_s[0] = M;
+      stat_s[1] = L;
+    }
+  }
+  __syncthreads();
+  const int g = tid / CQ, cq = tid - g * CQ;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (stat_s[0] != neg_inf()) {
+    const float* po = part_o + (long long)rh * NSPLIT * D + c0 + 4 * cq;
+    const int sb = g * SPG;
+    float4 ov[SPG];
+#pragma unroll
+    for (int k = 0; k < SPG; ++k) {  // unconditional loads (clamped index): all in flight
+      const float4* p = reinterpret_cast<const float4*>(po + (long long)min(sb + k, NSPLIT - 1) * D);
+      ov[k] = CG ? __ldcg(p) : *p;
+    }
+#pragma unroll
+    for (int k = 0; k < SPG; ++k) {
+      if (sb + k < NSPLIT) {
+        const float wgt = w_s[sb + k];
+        acc.x = fmaf(wgt, ov[k].x, acc.x);
+        acc.y = fmaf(wgt, ov[k].y, acc.y);
+        acc.z = fmaf(wgt, ov[k].z, acc.z);
+        acc.w = fmaf(wgt, ov[k].w, acc.w);
+      }
+    }
+  }
+  *reinterpret_cast<float4*>(&red_s[g][4 * cq]) = acc;
+  __syncthreads();
+  if (tid < COLS) {
+    float res = 0.f;
+    if (stat_s[0] != neg_inf()) {
+      float sum = red_s[0][tid];
+#pragma unroll
+      for (int gg = 1; gg < SG; ++gg) sum += red_s[gg][tid];
+      res = sum / stat_s[1];
+    }
+    out[(long long)rh * D + c0 + tid] = __float2bfloat16(res);
+  }
+  __syncthreads();  // the shared arrays may be staged again by the caller's next tile
 }
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
@@ -385,31 +494,31 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 
 // The hand-off of a one-launch split-K kernel: every CTA calls it after writing its partials.
 // ctr: two ints of a persistent zeroed pool (_launch.counter_slot), left zeroed again on exit.
-// Each CTA takes a ticket; the last M to arrive (M = CTAs needed for one output element per
-// thread, at most 64) wait until all n_cta have arrived and merge R = H * S rows of D in the split order
-// (bits equal to the separate merge kernel's). The last merger to finish resets the counter,
+// Each CTA takes a ticket; the last M to arrive (M = the merge tiles of R = H * S rows, at most
+// 64) wait until all n_cta have arrived and merge a tile each (merge_tile: bits
+// equal to the separate merge kernel's). The last merger to finish resets the counter,
 // so the next launch on the stream finds it zeroed. Spinning is safe: a CTA waits only for
 // CTAs that took earlier tickets or have yet to finish, and at most 64 wait (fewer than the SMs).
 template <int D, int NSPLIT, int NT>
 __device__ void merge_when_done(int* ctr, int n_cta, int R, const float* part_o,
-                                const float* part_ml, __nv_bfloat16* out) {
+                                const float* part_ml, __nv_bfloat16* out, float* buf) {
   __shared__ int ticket_s;
   __threadfence();  // this thread's partials visible device-wide before the ticket
   __syncthreads();
   if (threadIdx.x == 0) ticket_s = atomicAdd(ctr, 1);
   __syncthreads();
-  const int total = R * D;
-  const int M = min(min(n_cta, (total + NT - 1) / NT), 64);  // 64: _launch.MERGERS_MAX
+  constexpr int TPR = D / merge_cols<D>();  // merge tiles per row
+  const int tiles = R * TPR;
+  const int M = min(min(n_cta, tiles), 64);  // 64: _launch.MERGERS_MAX
   const int mi = ticket_s - (n_cta - M);
   if (mi < 0) return;
   if (threadIdx.x == 0) {
     while (ld_acquire(ctr) < n_cta) __nanosleep(64);
   }
   __syncthreads();
-  for (int e = mi * NT + threadIdx.x; e < total; e += M * NT) {
-    const int rh = e / D, d = e - (e / D) * D;
-    merge_splits<D, NSPLIT, true>(part_o + (long long)rh * NSPLIT * D,
-                                  part_ml + (long long)rh * NSPLIT * 2, d, out + (long long)rh * D);
+  for (int tile = mi; tile < tiles; tile += M) {
+    merge_tile<D, NSPLIT, NT, true>(part_o, part_ml, out, tile / TPR,
+                                    (tile % TPR) * merge_cols<D>(), buf);
   }
   __syncthreads();
   if (threadIdx.x == 0 && atomicAdd(ctr + 1, 1) == M - 1) {  // every merger is past its wait

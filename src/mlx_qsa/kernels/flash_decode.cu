@@ -9,46 +9,47 @@
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 __shared__ int tok_s[TOK];
 constexpr int BPS = TOK / RATIO;
-const int tid = threadIdx.x;
 const int s = blockIdx.x % NSPLIT, j = blockIdx.x / NSPLIT;
 const long long cap = keys_shape[2];
 const long long bstride = block_ids_strides[block_ids_ndim - 1];
 const long long vstride = block_valid_strides[block_valid_ndim - 1];
-if (tid < TOK) {
-  const int pb = s * BPS + tid / RATIO, r = tid % RATIO;
-  int t = -1;
+// Slot i of this split: token r of entry pb = s * BPS + i / RATIO of [selected blocks..., tail]
+// (the id and its flag are loaded together: one round trip).
+auto tok_of = [&](int i) -> int {
+  const int pb = s * BPS + i / RATIO, r = i % RATIO;
   if (pb < K) {
-    if (block_valid[pb * vstride]) {
-      const long long tt = (long long)block_ids[pb * bstride] * RATIO + r;
-      if (tt >= 0 && tt < cap) t = (int)tt;
-    }
-  } else if (pb == K) {
+    const bool ok = block_valid[pb * vstride];
+    const long long tt = (long long)block_ids[pb * bstride] * RATIO + r;
+    return ok && tt >= 0 && tt < cap ? (int)tt : -1;
+  }
+  if (pb == K) {
     const int T = tlen[0] + TOFF;
     const int tt = (T / RATIO) * RATIO + r;
-    if (tt < T && tt < cap) t = tt;
+    return tt < T && tt < cap ? tt : -1;
   }
-  tok_s[tid] = t;
-}
-__syncthreads();
+  return -1;
+};
 const int h0 = j * G;
 qsa::partial_attention<D, G, TOK, NT>(
     q + h0 * q_strides[1], q_strides[1],
     keys + j * keys_strides[1], keys_strides[2],
     values + j * values_strides[1], values_strides[2],
-    tok_s, __int_as_float(SCALE_BITS),
+    tok_of, tok_s, __int_as_float(SCALE_BITS),
     part_o + ((long long)h0 * NSPLIT + s) * D, (long long)NSPLIT * D,
     part_ml + ((long long)h0 * NSPLIT + s) * 2, (long long)NSPLIT * 2,
     qsa_dyn_smem);
 #ifdef QSA_FUSED  // one launch: the last CTAs merge (ctr [2] int32, out [1, H, 1, D] bf16)
+static_assert(qsa::merge_smem_floats<D, NSPLIT, NT>() * 4 <= qsa::Attn<D, G, TOK, NT>::BYTES,
+              "the merge works in the partial's shared memory");
 qsa::merge_when_done<D, NSPLIT, NT>(const_cast<int*>(ctr), gridDim.x, G * gridDim.x / NSPLIT,
-                                    part_o, part_ml, out);
+                                    part_o, part_ml, out, reinterpret_cast<float*>(qsa_dyn_smem));
 #endif
 
 //// kernel: merge
 // Split-K merge: part_o [R, NSPLIT, D], part_ml [R, NSPLIT, 2] -> out [R, D] bf16 (R = H * S,
 // head-major, i.e. the layout of [1, H, S, D]). Fixed split order: deterministic.
-// Grid R * D threads of 64. Template: D, NSPLIT.
-const int rh = blockIdx.x / (D / 64);
-const int d = (blockIdx.x % (D / 64)) * 64 + threadIdx.x;
-qsa::merge_splits<D, NSPLIT>(part_o + (long long)rh * NSPLIT * D, part_ml + (long long)rh * NSPLIT * 2,
-                             d, out + (long long)rh * D);
+// Grid: one CTA of NT threads per merge tile (R * D / merge_cols). Template: D, NSPLIT, NT.
+constexpr int TPR = D / qsa::merge_cols<D>();
+__shared__ __align__(16) float buf[qsa::merge_smem_floats<D, NSPLIT, NT>()];
+qsa::merge_tile<D, NSPLIT, NT>(part_o, part_ml, out, blockIdx.x / TPR,
+                               (blockIdx.x % TPR) * qsa::merge_cols<D>(), buf);

@@ -173,7 +173,7 @@ constexpr int NW = NT / 32;
 unsigned* cand_key = reinterpret_cast<unsigned*>(qsa_dyn_smem);
 int* cand_id = reinterpret_cast<int*>(cand_key + CAP);
 unsigned* bitmap = reinterpret_cast<unsigned*>(cand_id + CAP);
-__shared__ unsigned hist[256];
+__shared__ unsigned hist[512];
 __shared__ unsigned ctl[4];
 __shared__ int scan_buf[NW + 1];
 __shared__ int cand_n;
@@ -261,7 +261,7 @@ __syncthreads();
 
 // 2. Candidates: every block with adj >= u (all blocks when u == 0), U float4 loads of a
 // thread in flight at once (the scan is latency-bound: one CTA reads the row's whole plane).
-constexpr int U = 4;
+constexpr int U = 8;
 const bool take_all = (u == 0u);
 const float uf = qsa::key_float(u);
 for (int base = 0; base < nb; base += NT * 4 * U) {
