@@ -779,13 +779,15 @@ def _graph_that_fails(*args: object, **kwargs: object) -> Callable:
 # (id, object, attribute, replacement, options of the layer, entry point). The first four
 # fail before the compiled core has run; the others after it (or on the eager path).
 BEFORE_CORE = ("rope-tables", "block-tables", "compiled-core-dispatch", "compiled-graph-trace")
+EAGER = {"compiled": False}
 INJECTIONS = [
     ("rope-tables", layer_mod, "text_rope", _raise, None, "call"),
     ("block-tables", layer_mod.QSAAttention, "_block_tables", _raise, None, "call"),
     ("compiled-core-dispatch", core_mod.IndexerCore, "dispatch", _raise, None, "call"),
     ("compiled-graph-trace", core_mod, "_graph", _graph_that_fails, None, "call"),
-    ("eager-pool-blocks", layer_mod, "pool_blocks", _raise, {"compiled": False}, "call"),
-    ("eager-select-rows", layer_mod, "select_rows", _raise, {"compiled": False}, "call"),
+    ("eager-pool-blocks", layer_mod, "pool_blocks", _raise, EAGER, "call"),
+    # the 4-row call's selection is row_tokens: the layer selects through select_row_tokens
+    ("eager-select-row-tokens", layer_mod, "select_row_tokens", _raise, EAGER, "call"),
     ("kv-append", layer_mod, "kv_append", _raise, None, "call"),
     ("plan-consumers", layer_mod.plan, "plan_consumers", _raise, None, "call"),
     ("consumer-dispatch", layer_mod, "dispatch", _raise, None, "call"),
