@@ -4,11 +4,15 @@ stand-in `Shape`/`Strides`), compiled by nvcc for sm_90a with comments stripped.
 outputs compared line by line show whether a source change altered any kernel's code.
 
     python3 benchmarks/kernel_ptx.py OUT_DIR          # then: diff -r OUT_A OUT_B
+
+Each kernel's line also gives ptxas's registers and static shared memory (sm_90a), the figure
+`device.STATIC_SMEM_BOUND` must stay above.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -28,6 +32,10 @@ ROWS = [("slots", "int32_t"), ("slot_valid", "bool")]
 SEL_T = [("HI", 4), ("RATIO", 4), ("L", 8)]
 TOPK_T = [("K", 512), ("CAP", 4096)]
 FUSED = "#define QSA_FUSED\n"
+_PTXAS_USE = r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?"
+ROWS_IN = [("q", BF), ("keys", BF), ("values", BF), ("slots", "int32_t"), ("slot_valid", "bool"),
+           ("ctr", "int32_t")]  # fmt: skip
+FUSED_OUT = [("part_o", "float"), ("part_ml", "float"), ("out", BF)]
 JOBS = {
     "score": ("selector.cu", "score", SEL_IN, SEL_OUT, SEL_T + [("NT", 128)], ""),
     "topk": (
@@ -68,18 +76,12 @@ JOBS = {
         [("D", 256), ("NSPLIT", 65), ("NT", 256)], "",
     ),
     "rows": (
-        "rows_gather.cu", "partial",
-        [("q", BF), ("keys", BF), ("values", BF), ("slots", "int32_t"), ("slot_valid", "bool"),
-         ("ctr", "int32_t")],
-        [("part_o", "float"), ("part_ml", "float"), ("out", BF)],
+        "rows_gather.cu", "partial", ROWS_IN, FUSED_OUT,
         [("D", 256), ("G", 12), ("TOK", 64), ("HKV", 2), ("W", 2052), ("NSPLIT", 33),
          ("SCALE_BITS", 1031798784), ("NT", 256)], FUSED,
     ),
     "rows_d64": (
-        "rows_gather.cu", "partial",
-        [("q", BF), ("keys", BF), ("values", BF), ("slots", "int32_t"), ("slot_valid", "bool"),
-         ("ctr", "int32_t")],
-        [("part_o", "float"), ("part_ml", "float"), ("out", BF)],
+        "rows_gather.cu", "partial", ROWS_IN, FUSED_OUT,
         [("D", 64), ("G", 3), ("TOK", 32), ("HKV", 2), ("W", 70), ("NSPLIT", 3),
          ("SCALE_BITS", 1031798784), ("NT", 256)], FUSED,
     ),
@@ -123,12 +125,13 @@ def main() -> None:
         r = subprocess.run(
             ["ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, ptx], capture_output=True, text=True
         )
-        regs = [w for w in r.stderr.split(",") if "registers" in w or "smem" in w]
+        use = re.search(_PTXAS_USE, r.stderr)
+        regs = f" {use.group(1)} registers, {use.group(2) or 0} bytes static smem" if use else ""
         with open(ptx) as f:
             lines = [line for line in f.read().splitlines() if not line.lstrip().startswith("//")]
         with open(ptx, "w") as f:
             f.write("\n".join(lines) + "\n")
-        print(f"{name}: {len(lines)} lines of PTX;{','.join(regs).strip()}")
+        print(f"{name}: {len(lines)} lines of PTX;{regs}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""The decode/prefill kernels compiled offline the way MLX builds them (benchmarks/kernel_ptx.py:
+common.cuh + each `.cu` section behind a stand-in of MLX's generated signature), by nvcc and
+ptxas for sm_90a. Needs nvcc and ptxas on PATH (no GPU): a machine without them skips.
+
+What it guards: a kernel's static shared memory must stay under ``device.STATIC_SMEM_BOUND``,
+or a launch whose dynamic request sits just under MLX's opt-in threshold passes the 48 KiB a
+block gets without opting in and fails ("invalid argument", seen on an H100 on 2026-12-06).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mlx_qsa.kernels import device
+
+_TOOLS = shutil.which("nvcc") and shutil.which("ptxas")
+pytestmark = pytest.mark.skipif(not _TOOLS, reason="needs nvcc and ptxas on PATH (CUDA toolkit)")
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_ptx.py"
+_NO_DYNAMIC = {"flash_merge"}  # launched without dynamic shared memory: static alone counts
+
+
+def _kernel_ptx():
+    spec = importlib.util.spec_from_file_location("kernel_ptx", _SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", sorted(_kernel_ptx().JOBS))
+def test_kernel_compiles_with_static_smem_under_the_bound(name, tmp_path):
+    kp = _kernel_ptx()
+    cu, ptx = tmp_path / f"{name}.cu", tmp_path / f"{name}.ptx"
+    cu.write_text(kp.source(*kp.JOBS[name]))
+    r = subprocess.run(
+        ["nvcc", "-arch=sm_90a", "-std=c++17", "-ptx", "-o", str(ptx), str(cu)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run(
+        ["ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, str(ptx)], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    use = re.search(kp._PTXAS_USE, r.stderr)
+    assert use is not None, r.stderr
+    static = int(use.group(2) or 0)
+    bound = device.DEFAULT_BLOCK_SMEM if name in _NO_DYNAMIC else device.STATIC_SMEM_BOUND
+    assert 0 <= static < bound, (name, static)
+    assert "spill" not in r.stderr or "0 bytes spill stores, 0 bytes spill loads" in r.stderr
