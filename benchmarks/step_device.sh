@@ -14,6 +14,7 @@
 #          (MLX_QSA_SELECT_SPLIT_HEADS=1|0): warm-cache kernel times and (unless SPLIT_NCU_ONLY
 #          is set) step_profile at 8K-256K
 # rows:    2-8 verify rows at 128K: warm-cache kernel times (ncu) and step_profile
+# sass:    per-instruction (SASS) warp-stall samples of the two-launch score and top-k at 128K
 # topkncu: Nsight Compute's source counters and warp states of the two-launch top-k at 128K
 set -uo pipefail
 OUT="${OUT:-/tmp/qsa-out}"
@@ -102,6 +103,15 @@ for what in "$@"; do
       python3 benchmarks/ncu_summary.py "$OUT/ncu_rows.csv" 4 | tee -a "$OUT/rows.log"
       timeout 120 python3 benchmarks/step_profile.py "$OUT/step_rows.json" --contexts 131072 \
         --rows 1,2,4,8 2>&1 | grep '^T=' | tee -a "$OUT/rows.log" ;;
+    sass)
+      ncu --help | grep -iE "print-source|--page|import-source" > "$OUT/ncu_help.txt"
+      MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 150 ncu --clock-control none \
+        --cache-control none --profile-from-start off -k "regex:topk|score" -c 2 \
+        --section WarpStateStats --section SourceCounters --page source --print-source sass \
+        --csv python3 benchmarks/step_profile.py "$OUT/s.json" --contexts 131072 --sets 2 \
+        --ncu-steps 1 > "$OUT/ncu_sass.csv" 2> "$OUT/ncu_sass.err"
+      rm -f "$OUT/s.json"
+      wc -l "$OUT/ncu_sass.csv"; tail -3 "$OUT/ncu_sass.err"; head -c 1500 "$OUT/ncu_sass.csv" ;;
     topkncu)
       MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 120 ncu --clock-control none --cache-control none \
         --profile-from-start off -k "regex:topk|partial|score" -c 3 --section SourceCounters \
