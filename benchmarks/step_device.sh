@@ -15,6 +15,8 @@
 #          is set) step_profile at 8K-256K
 # rows:    2-8 verify rows at 128K: warm-cache kernel times (ncu) and step_profile
 # sass:    per-instruction (SASS) warp-stall samples of the two-launch score and top-k at 128K
+# posab:   positions in MLX's small managed pool (4 bytes, as made) against a 16-byte array
+#          (step_profile --pos-pad): warm-cache kernels (two launches) and steps at 8K and 128K
 # topkncu: Nsight Compute's source counters and warp states of the two-launch top-k at 128K
 set -uo pipefail
 OUT="${OUT:-/tmp/qsa-out}"
@@ -112,6 +114,20 @@ for what in "$@"; do
         --ncu-steps 1 > "$OUT/ncu_sass.csv" 2> "$OUT/ncu_sass.err"
       rm -f "$OUT/s.json"
       wc -l "$OUT/ncu_sass.csv"; tail -3 "$OUT/ncu_sass.err"; head -c 1500 "$OUT/ncu_sass.csv" ;;
+    posab)
+      for pp in "" --pos-pad; do
+        MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 100 ncu --clock-control none \
+          --cache-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
+          python3 benchmarks/step_profile.py "$OUT/p.json" --contexts 8192,131072 --sets 2 \
+          --ncu-steps 3 $pp > "$OUT/ncu_pos${pp}.csv" 2>/dev/null
+        echo "== positions ${pp:-as made}" | tee -a "$OUT/posab.log"
+        python3 benchmarks/ncu_summary.py "$OUT/ncu_pos${pp}.csv" 2 | tee -a "$OUT/posab.log"
+      done
+      for pp in "" --pos-pad "" --pos-pad; do
+        timeout 100 python3 benchmarks/step_profile.py "$OUT/p.json" --contexts 8192,131072 $pp \
+          2>&1 | grep '^T=' | sed "s/^/pos${pp:-} /" | tee -a "$OUT/posab.log"
+      done
+      rm -f "$OUT/p.json" ;;
     topkncu)
       MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 120 ncu --clock-control none --cache-control none \
         --profile-from-start off -k "regex:topk|partial|score" -c 3 --section SourceCounters \

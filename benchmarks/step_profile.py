@@ -4,6 +4,7 @@ the graph, the Python functions of the call (cProfile), and with `--ncu-steps N`
 N steps under Nsight Compute (the profiler is opened only around them).
 
     python3 benchmarks/step_profile.py OUT.json [--contexts 131072] [--rows 1] [--impl cuda]
+        [--pos-pad]
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
         python3 benchmarks/step_profile.py OUT.json --ncu-steps 3 > ncu.csv
 """
@@ -25,8 +26,22 @@ from mlx_qsa.bench import DecodeSet, primitive_counts, qsa_step
 from mlx_qsa.config import QSAConfig
 
 
-def point(cfg: QSAConfig, T: int, rows: int, impl: str, n_sets: int, ncu_steps: int) -> dict:
+def pad_positions(s: DecodeSet) -> None:
+    """The set's row positions as a view of a 16-byte array: MLX places arrays of at most 8
+    bytes (one or two int32 positions) in a small pool of managed memory (mlx/backend/cuda/
+    allocator.cpp, 0.32), which the kernels then read; this tells whether that read costs."""
+    n = s.positions.shape[0]
+    s.positions = mx.arange(s.T - n, s.T - n + max(n, 4), dtype=mx.int32)[:n]
+    mx.eval(s.positions)
+
+
+def point(
+    cfg: QSAConfig, T: int, rows: int, impl: str, n_sets: int, ncu_steps: int, pos_pad: bool
+) -> dict:
     sets = [DecodeSet(cfg, T, rows, seed=7 * T + i) for i in range(n_sets)]
+    if pos_pad:
+        for s in sets:
+            pad_positions(s)
     prims = primitive_counts(qsa_step(cfg, sets[0], impl)[0])
     for i in range(3 * n_sets):
         mx.eval(qsa_step(cfg, sets[i % n_sets], impl)[0])
@@ -67,6 +82,7 @@ def point(cfg: QSAConfig, T: int, rows: int, impl: str, n_sets: int, ncu_steps: 
         "context": T,
         "rows": rows,
         "impl": impl,
+        "pos_pad": pos_pad,
         "primitives": prims,
         "build_us_median": statistics.median(build),
         "eval_us_median": statistics.median(evals),
@@ -85,13 +101,14 @@ def main() -> None:
     ap.add_argument("--impl", default="cuda")
     ap.add_argument("--sets", type=int, default=8)
     ap.add_argument("--ncu-steps", type=int, default=0)
+    ap.add_argument("--pos-pad", action="store_true", help="positions in a 16-byte array")
     args = ap.parse_args()
     cfg = QSAConfig()
     recs = []
     for T in [int(c) for c in args.contexts.split(",")]:
         for rows in [int(r) for r in args.rows.split(",")]:
             for impl in args.impl.split(","):
-                rec = point(cfg, T, rows, impl, args.sets, args.ncu_steps)
+                rec = point(cfg, T, rows, impl, args.sets, args.ncu_steps, args.pos_pad)
                 recs.append(rec)
                 print(
                     f"T={T} rows={rows} {impl}: build {rec['build_us_median']:.1f} us, eval "
