@@ -72,7 +72,7 @@ JOBS = {
          ("SCALE_BITS", 1031798784), ("NT", 256), ("TOFF", 1)], "",
     ),
     "flash_merge": (
-        "flash_decode.cu", "merge", [("part_o", "float"), ("part_ml", "float")], [("out", BF)],
+        "split_k_merge.cu", "merge", [("part_o", "float"), ("part_ml", "float")], [("out", BF)],
         [("D", 256), ("NSPLIT", 65), ("NT", 256)], "",
     ),
     "rows": (

@@ -592,8 +592,8 @@ class QSAAttention(nn.Module):
             return Selection(
                 kind, ids=ids, valid=valid, scores=scores, tail_start=T // g.ratio * g.ratio
             )
-        slots, slot_valid = row_token_slots(ids, valid, rows, g.ratio)
         if kind == "token_list":
+            slots, _ = row_token_slots(ids, valid, rows, g.ratio)
             k_eff = min(g.block_topk, nb)
             tail = T % g.ratio
             w = g.block_topk * g.ratio

@@ -190,7 +190,7 @@ def plan_split_k(
     """The run of a split-K attention file's ``partial`` section over ``n_cta`` CTAs of
     ``ATTN_THREADS``, merging its ``rows`` x ``nsplit`` partials into ``out_shape``: in the
     same launch (``one_launch``: ``QSA_FUSED``, a counter slot as the last input) or with the
-    file's ``merge`` kernel."""
+    merge kernel every split-K file shares (``split_k_merge.cu``)."""
     d = out_shape[-1]
     part_shapes = [(rows, nsplit, d), (rows, nsplit, 2)]
     f32 = [mx.float32, mx.float32]
@@ -221,7 +221,7 @@ def plan_split_k(
 
         return run_fused
     partial = build(filename, "partial", inputs, ("part_o", "part_ml"), (), shared_memory)
-    merge = build(filename, "merge", ("part_o", "part_ml"), ("out",), ())
+    merge = build("split_k_merge.cu", "merge", ("part_o", "part_ml"), ("out",), ())
     merge_template = [("D", d), ("NSPLIT", nsplit), ("NT", ATTN_THREADS)]
     merge_grid = (rows * (d // merge_cols(d)) * ATTN_THREADS, 1, 1)
 

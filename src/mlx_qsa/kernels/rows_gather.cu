@@ -34,11 +34,3 @@ static_assert(qsa::merge_smem_floats<D, NSPLIT, NT>() * 4 <= qsa::Attn<D, G, TOK
 qsa::merge_when_done<D, NSPLIT, NT>(const_cast<int*>(ctr), gridDim.x, G * HKV * S,
                                     part_o, part_ml, out, reinterpret_cast<float*>(qsa_dyn_smem));
 #endif
-
-//// kernel: merge
-// Split-K merge, as in flash_decode.cu: part_o [R, NSPLIT, D], part_ml [R, NSPLIT, 2]
-// -> out [R, D] bf16 with R = H * S head-major ([1, H, S, D]). Template: D, NSPLIT, NT.
-constexpr int TPR = D / qsa::merge_cols<D>();
-__shared__ __align__(16) float buf[qsa::merge_smem_floats<D, NSPLIT, NT>()];
-qsa::merge_tile<D, NSPLIT, NT>(part_o, part_ml, out, blockIdx.x / TPR,
-                               (blockIdx.x % TPR) * qsa::merge_cols<D>(), buf);

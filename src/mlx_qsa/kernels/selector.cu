@@ -12,7 +12,7 @@
 // With QSA_FUSED (one launch: inputs + ctr [2] int32 of a zeroed pool, outputs + the top-k's),
 // the last S CTAs to finish scoring each take one row and run the `select` section below on
 // it: the selector is one MLX primitive instead of two, with the same bits.
-// With QSA_SPLIT_HEADS each block key takes HI threads (see there; not yet run on a GPU).
+// With QSA_SPLIT_HEADS each block key takes HI threads (see there; opt-in, selector.py).
 // Template: HI, RATIO, L, NT; dynamic shared memory score_smem_bytes(NT) (selector.py).
 constexpr int DI = 128, KS = DI + 8;
 #ifdef QSA_SPLIT_HEADS

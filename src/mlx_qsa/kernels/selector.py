@@ -72,8 +72,8 @@ def fused_smem_bytes(npad: int, split_heads: int = 0) -> int:
 
 def split_heads_env() -> bool:
     """``MLX_QSA_SELECT_SPLIT_HEADS=1``: the one-launch selector scores with one thread per
-    indexer head and runs its top-k on 512 threads (same bits by construction; opt-in until it
-    has been run and timed on a GPU)."""
+    indexer head and runs its top-k on 512 threads (same bits, GPU-tested). Opt-in: on an H100
+    (2026-12-06) it was a few µs faster at 128K and slower at 256K (BENCHMARKS.md)."""
     return os.environ.get("MLX_QSA_SELECT_SPLIT_HEADS", "0") == "1"
 
 
