@@ -25,6 +25,13 @@ _NT_FUSED = 256  # threads of a CTA of the one-launch form (its top-k runs on on
 _NT_SPLIT = 512  # threads of a one-launch CTA whose block keys take one thread per head
 
 
+def _nbs_len(S: int) -> int:
+    """Length of the score pass's nbs output (the rows' block counts, read by the top-k): at
+    least 3 int32, so that MLX does not place it in its small managed-memory pool (arrays of
+    at most 8 bytes, MLX 0.32 on CUDA); only the first S are written and read."""
+    return max(S, 3)
+
+
 def score_smem_bytes(nt: int = _NT_SCORE, split_heads: int = 0) -> int:
     """Score pass: float queries for S * H_I <= 64 rows, then the staged key rows padded to
     136 bf16: `nt` of them, or `nt / split_heads` with one thread per head (query rows then
@@ -281,7 +288,7 @@ def _plan(
         ensure_row_contiguous=True,
     )
     template = [("HI", n_heads), ("RATIO", ratio), ("L", _L), ("NT", _NT_SCORE)]
-    shapes = [(S, npad), (S, npad // 32 * _L), (S,)]
+    shapes = [(S, npad), (S, npad // 32 * _L), (_nbs_len(S),)]
     dtypes = [mx.float32, mx.uint32, mx.int32]
     top_k = _plan_top_k(S, block_topk, ratio, npad, mode)
 
@@ -330,7 +337,7 @@ def _plan_fused(
     )
     template = [("HI", n_heads), ("RATIO", ratio), ("L", _L), ("NT", nt)]
     template += [("K", K), ("CAP", _CAP)]
-    shapes = [(S, npad), (S, npad // 32 * _L), (S,)] + shapes
+    shapes = [(S, npad), (S, npad // 32 * _L), (_nbs_len(S),)] + shapes
     dtypes = [mx.float32, mx.uint32, mx.int32] + dtypes
     n_cta = max(-(-npad // keys_per_cta), S)  # every row needs a CTA of its own at the end
 
