@@ -21,7 +21,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/qsa-out}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/${QSA_SRC:-src}${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$OUT/when.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
