@@ -55,7 +55,8 @@ _SIGNS = mx.array([[-1.0], [1.0]], dtype=mx.float32)
 def text_positions(start: int, stop: int, step: int = 1) -> mx.array:
     """int32 positions start, start+step, ... < stop. One or two of them are a view of a
     three-element array: MLX 0.32 on CUDA puts arrays of at most 8 bytes in a small pool of
-    managed memory, and the decode kernels read the positions (H100, 128K: the score pass took 26 us reading a 4-byte array, 8 us reading a 16-byte one)."""
+    managed memory, and the decode kernels read the positions (H100, 128K: the score pass took
+    26 us reading a 4-byte array, 8 us reading a 16-byte one)."""
     n = len(range(start, stop, step))
     if 0 < n < 3:
         return mx.arange(start, start + 3 * step, step, dtype=mx.int32)[:n]
