@@ -17,6 +17,8 @@
 # sass:    per-instruction (SASS) warp-stall samples of the two-launch score and top-k at 128K
 # posab:   positions in MLX's small managed pool (4 bytes, as made) against a 16-byte array
 #          (step_profile --pos-pad): warm-cache kernels (two launches) and steps at 8K and 128K
+# kab:     warm-cache kernels (ncu) of this tree against .old/src, one and two launches, 8K and
+#          128K, twice interleaved (old, new, old, new)
 # topkncu: Nsight Compute's source counters and warp states of the two-launch top-k at 128K
 set -uo pipefail
 OUT="${OUT:-/tmp/qsa-out}"
@@ -128,6 +130,18 @@ for what in "$@"; do
           2>&1 | grep '^T=' | sed "s/^/pos${pp:-} /" | tee -a "$OUT/posab.log"
       done
       rm -f "$OUT/p.json" ;;
+    kab)
+      for tree in .old/src src .old/src src; do
+        for ol in 1 0; do
+          PYTHONPATH="$PWD/$tree:$PYTHONPATH" MLX_QSA_ONE_LAUNCH=$ol MLX_QSA_SELECT_ONE_LAUNCH=$ol \
+            timeout 100 ncu --clock-control none --cache-control none --profile-from-start off \
+            --csv --metrics gpu__time_duration.sum python3 benchmarks/step_profile.py "$OUT/k.json" \
+            --contexts 8192,131072 --sets 2 --ncu-steps 3 > "$OUT/ncu_k.csv" 2>/dev/null
+          echo "== $tree one_launch=$ol" | tee -a "$OUT/kab.log"
+          python3 benchmarks/ncu_summary.py "$OUT/ncu_k.csv" 2 | tee -a "$OUT/kab.log"
+        done
+      done
+      rm -f "$OUT/k.json" "$OUT/ncu_k.csv" ;;
     topkncu)
       MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 120 ncu --clock-control none --cache-control none \
         --profile-from-start off -k "regex:topk|partial|score" -c 3 --section SourceCounters \

@@ -50,7 +50,7 @@ from .indexer import (
     select_rows,
 )
 from .layer import QSAAttention
-from .rope import text_rope
+from .rope import text_positions, text_rope
 from .sweep import backend_name, environment
 
 DEFAULT_CONTEXTS = (8192, 32768, 131072, 262144)
@@ -170,7 +170,7 @@ class DecodeSet:
         self.pooled = mx.random.normal((1, max(1, cap // r), d_I), key=k3).astype(bf)
         self.q = mx.random.normal((1, H, rows, d), key=k4).astype(bf)
         self.index_q = mx.random.normal((1, H_I, rows, d_I), key=k5).astype(bf)
-        self.positions = mx.arange(T - rows, T, dtype=mx.int32)
+        self.positions = text_positions(T - rows, T)  # as the layer makes them
         mx.eval(self.keys, self.values, self.pooled, self.q, self.index_q, self.positions)
 
 

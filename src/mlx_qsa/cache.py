@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import plan
+from .arange import int_arange
 
 STATE_NAMES = ("raw_keys", "pooled", "pooled_f32_t", "keys", "values")
 # Presence pattern of a saved state is fixed by how many arrays it has (RUNTIME §2.1:
@@ -50,8 +51,9 @@ def grow_rows(
 
 
 def row_index(start: int, n: int) -> mx.array:
-    """int32 `[n]` row indices start, ..., start + n - 1 (for `write_rows`)."""
-    return mx.arange(start, start + n, dtype=mx.int32)
+    """int32 `[n]` row indices start, ..., start + n - 1 (for `write_rows`; the scatter
+    kernel reads them, so one or two are not left in MLX's 8-byte managed pool)."""
+    return int_arange(start, start + n)
 
 
 def write_rows(backing: mx.array, rows: mx.array, index: mx.array, axis: int) -> mx.array:

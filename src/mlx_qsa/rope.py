@@ -15,6 +15,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from .arange import int_arange
 from .config import QSAConfig, inv_frequencies, mrope_axes
 
 
@@ -53,14 +54,9 @@ _SIGNS = mx.array([[-1.0], [1.0]], dtype=mx.float32)
 
 
 def text_positions(start: int, stop: int, step: int = 1) -> mx.array:
-    """int32 positions start, start+step, ... < stop. One or two of them are a view of a
-    three-element array: MLX 0.32 on CUDA puts arrays of at most 8 bytes in a small pool of
-    managed memory, and the decode kernels read the positions (H100, 128K: the score pass took
-    26 us reading a 4-byte array, 8 us reading a 16-byte one)."""
-    n = len(range(start, stop, step))
-    if 0 < n < 3:
-        return mx.arange(start, start + 3 * step, step, dtype=mx.int32)[:n]
-    return mx.arange(start, stop, step, dtype=mx.int32)
+    """int32 text positions start, start+step, ... < stop (the decode kernels read them, so
+    one or two of them are not left in MLX's 8-byte managed pool: `arange.int_arange`)."""
+    return int_arange(start, stop, step)
 
 
 @lru_cache(maxsize=16)

@@ -1,0 +1,51 @@
+"""int_arange: the index arrays that kernels read (text positions, cache row indices)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_qsa.arange import int_arange
+from mlx_qsa.cache import row_index
+from mlx_qsa.rope import text_positions
+
+
+@pytest.mark.parametrize(
+    "start,stop,step",
+    [
+        (0, 0, 1),
+        (5, 6, 1),
+        (5, 7, 1),
+        (5, 8, 1),
+        (131071, 131072, 1),
+        (8, 16, 4),
+        (8, 12, 4),
+        (3, 9, 4),
+        (7, 7, 4),
+        (10, 4, -3),
+    ],
+)
+def test_values_and_dtype_match_arange(start: int, stop: int, step: int) -> None:
+    got = int_arange(start, stop, step)
+    want = np.arange(start, stop, step, dtype=np.int32)
+    assert got.dtype == mx.int32
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.array(got), want)
+
+
+def test_short_ranges_are_views_of_three_elements_and_usable_as_indices() -> None:
+    # One or two values come from a three-element arange; the view must behave as a plain
+    # array everywhere the library uses it (reshape, broadcast, scatter indices).
+    pos = int_arange(41, 42)
+    backing = mx.zeros((1, 1, 64, 2))
+    rows = mx.ones((1, 1, 1, 2))
+    index = mx.broadcast_to(pos.reshape(1, 1, 1, 1), rows.shape)
+    out = mx.put_along_axis(backing, index, rows, axis=2)
+    assert np.array(out)[0, 0, 41].tolist() == [1.0, 1.0]
+    assert float(np.array(out).sum()) == 2.0
+
+
+def test_layer_helpers_use_it() -> None:
+    np.testing.assert_array_equal(np.array(text_positions(9, 11)), [9, 10])
+    np.testing.assert_array_equal(np.array(text_positions(0, 12, 4)), [0, 4, 8])
+    np.testing.assert_array_equal(np.array(row_index(100, 1)), [100])
+    np.testing.assert_array_equal(np.array(row_index(100, 5)), np.arange(100, 105))
