@@ -54,3 +54,39 @@ def test_kernel_compiles_with_static_smem_under_the_bound(name, tmp_path):
     bound = device.DEFAULT_BLOCK_SMEM if name in _NO_DYNAMIC else device.STATIC_SMEM_BOUND
     assert 0 <= static < bound, (name, static)
     assert "spill" not in r.stderr or "0 bytes spill stores, 0 bytes spill loads" in r.stderr
+
+
+def test_compacted_sources_compile_to_the_same_ptx(tmp_path, monkeypatch):
+    # MLX gets each kernel without comments or indentation (`_launch.compact`, less host time
+    # per call); the compiled code must be the one the commented files describe.
+    from mlx_qsa.kernels import _launch
+
+    kp = _kernel_ptx()
+
+    def ptx_of(tag: str) -> dict[str, list[str]]:
+        out = {}
+        for name in sorted(kp.JOBS):
+            cu, ptx = tmp_path / f"{name}_{tag}.cu", tmp_path / f"{name}_{tag}.ptx"
+            cu.write_text(kp.source(*kp.JOBS[name]))
+            subprocess.run(
+                ["nvcc", "-arch=sm_90a", "-std=c++17", "-ptx", "-o", str(ptx), str(cu)], check=True
+            )
+            out[name] = [ln for ln in ptx.read_text().split("\n") if not ln.startswith("//")]
+        return out
+
+    compacted = ptx_of("compact")
+    size_compacted = len(kp.source(*kp.JOBS["fused"]))
+    monkeypatch.setattr(_launch, "compact", lambda text: text)
+    _launch.kernel_sections.cache_clear()
+    _launch.common_header.cache_clear()
+    try:
+        size_full = len(kp.source(*kp.JOBS["fused"]))
+        full = ptx_of("full")
+    finally:
+        monkeypatch.undo()
+        _launch.kernel_sections.cache_clear()
+        _launch.common_header.cache_clear()
+    assert size_compacted < 0.75 * size_full, (size_compacted, size_full)
+    assert compacted.keys() == full.keys()
+    for name in compacted:
+        assert compacted[name] == full[name], name

@@ -31,9 +31,49 @@ def _text(filename: str) -> str:
     return (_DIR / filename).read_text()
 
 
+def compact(text: str) -> str:
+    """CUDA text without comments, indentation or blank lines: the same tokens on fewer bytes.
+
+    MLX 0.32 rebuilds a kernel's whole source (header + body) on every ``cuda_kernel`` call and
+    hashes it on every evaluation (``mlx/backend/cuda/custom_kernel.cpp``): host time per step
+    that grows with the text, ~40 KB per decode kernel with the comments. Lines are kept (the
+    preprocessor is line-based); string and character literals are copied as they are.
+    """
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in "\"'":  # a literal, up to its unescaped closing quote
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i : j + 1])
+            i = j + 1
+        elif text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            if j < 0:
+                raise ValueError("unterminated /* comment in CUDA source")
+            out.append(" " if text.count("\n", i, j) == 0 else "\n" * text.count("\n", i, j))
+            i = j + 2
+        else:
+            j = i
+            while j < n and text[j] not in "\"'/":
+                j += 1
+            if j == i:  # a lone '/' (division)
+                j += 1
+            out.append(text[i:j])
+            i = j
+    lines = (line.strip() for line in "".join(out).split("\n"))
+    return "".join(line + "\n" for line in lines if line)
+
+
 @functools.cache
 def kernel_sections(filename: str) -> dict[str, str]:
-    """The kernel bodies of ``filename`` (a ``.cu`` beside this module), by section name."""
+    """The kernel bodies of ``filename`` (a ``.cu`` beside this module), by section name, as
+    MLX gets them (``compact``)."""
     text = _text(filename)
     marks = list(_SECTION.finditer(text))
     if not marks:
@@ -41,12 +81,14 @@ def kernel_sections(filename: str) -> dict[str, str]:
     out = {}
     for i, m in enumerate(marks):
         end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
-        out[m.group(1)] = text[m.end() : end]
+        out[m.group(1)] = compact(text[m.end() : end])
     return out
 
 
+@functools.cache
 def common_header() -> str:
-    return _text("common.cuh")
+    """``common.cuh`` as MLX gets it (``compact``)."""
+    return compact(_text("common.cuh"))
 
 
 def _digest(*parts: str) -> str:
