@@ -19,6 +19,9 @@
 #          (step_profile --pos-pad): warm-cache kernels (two launches) and steps at 8K and 128K
 # kab:     warm-cache kernels (ncu) of this tree against .old/src, one and two launches, 8K and
 #          128K, twice interleaved (old, new, old, new)
+# managed: benchmarks/managed_read_ab.py (small operands in MLX's managed memory against device
+#          memory), then its kernels under ncu
+# layerab: layer_profile.py (the whole layer step) of .old/src against this tree, interleaved
 # topkncu: Nsight Compute's source counters and warp states of the two-launch top-k at 128K
 set -uo pipefail
 OUT="${OUT:-/tmp/qsa-out}"
@@ -142,6 +145,21 @@ for what in "$@"; do
         done
       done
       rm -f "$OUT/k.json" "$OUT/ncu_k.csv" ;;
+    managed)
+      timeout 120 python3 benchmarks/managed_read_ab.py "$OUT/managed_read.json" 2>&1 \
+        | tee "$OUT/managed.log"
+      timeout 150 ncu --clock-control none --cache-control none --csv \
+        --metrics gpu__time_duration.sum python3 benchmarks/managed_read_ab.py --ncu \
+        > "$OUT/ncu_managed.csv" 2>/dev/null
+      python3 benchmarks/managed_read_ab.py --ncu-report "$OUT/ncu_managed.csv" \
+        | tee -a "$OUT/managed.log" ;;
+    layerab)
+      for tree in .old/src src .old/src src; do
+        echo "== $tree" | tee -a "$OUT/layerab.log"
+        PYTHONPATH="$PWD/$tree:$PYTHONPATH" timeout 150 python3 benchmarks/layer_profile.py \
+          "$OUT/l.json" --contexts 8192,131072 2>&1 | grep '^T=' | tee -a "$OUT/layerab.log"
+      done
+      rm -f "$OUT/l.json" ;;
     topkncu)
       MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 120 ncu --clock-control none --cache-control none \
         --profile-from-start off -k "regex:topk|partial|score" -c 3 --section SourceCounters \

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import plan
-from .arange import int_arange
+from .device_arrays import int_arange
 
 STATE_NAMES = ("raw_keys", "pooled", "pooled_f32_t", "keys", "values")
 # Presence pattern of a saved state is fixed by how many arrays it has (RUNTIME §2.1:

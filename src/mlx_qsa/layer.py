@@ -19,6 +19,7 @@ from .cache import CacheUpdate, QSACache, ensure_rows, kv_append, row_index, wri
 from .config import QSAConfig, QSAOptions
 from .consumers import dispatch
 from .core import CoreInputs, IndexerCore
+from .device_arrays import int_arange
 from .indexer import (
     IndexerGeometry,
     QSAIndexer,
@@ -671,8 +672,9 @@ def _qk_prep(
 def _window_start(start: int) -> mx.array:
     """The staging window's first block as the core's int32 `[1]` input, made once per value:
     a model's layers at one step and a window's steps share it (each host-made array costs
-    host time and a copy to the device when evaluated)."""
-    return mx.array([start], mx.int32)
+    host time and a copy to the device when evaluated). Made on the device, past 8 bytes
+    (`device_arrays`)."""
+    return int_arange(start, start + 1)
 
 
 def _mirror_of(pooled: mx.array) -> mx.array:

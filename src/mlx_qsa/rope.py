@@ -15,20 +15,21 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .arange import int_arange
 from .config import QSAConfig, inv_frequencies, mrope_axes
+from .device_arrays import device_constant, int_arange
 
 
 @lru_cache(maxsize=32)
 def _freqs(cfg: QSAConfig) -> mx.array:
-    """The frequency row `[1, d_r/2]` (made once: no expand_dims per call)."""
-    return mx.array([inv_frequencies(cfg)], dtype=mx.float32)
+    """The frequency row `[1, d_r/2]` (made once: no expand_dims per call; in device memory,
+    `device_arrays`)."""
+    return device_constant(mx.array([inv_frequencies(cfg)], dtype=mx.float32))
 
 
 @lru_cache(maxsize=32)
 def _axis_selectors(cfg: QSAConfig) -> tuple[mx.array, mx.array, mx.array]:
     axes = mrope_axes(cfg)
-    return tuple(mx.array([a == k for a in axes]) for k in range(3))
+    return tuple(device_constant(mx.array([a == k for a in axes])) for k in range(3))
 
 
 def rope_tables(positions: mx.array, cfg: QSAConfig) -> tuple[mx.array, mx.array]:
@@ -50,12 +51,13 @@ def rope_tables(positions: mx.array, cfg: QSAConfig) -> tuple[mx.array, mx.array
     return mx.cos(phi), mx.sin(phi)
 
 
-_SIGNS = mx.array([[-1.0], [1.0]], dtype=mx.float32)
+# Read by every RoPE kernel: a GPU-made copy (8 bytes made on the host sit in MLX's managed pool).
+_SIGNS = device_constant(mx.array([[-1.0], [1.0]], dtype=mx.float32))
 
 
 def text_positions(start: int, stop: int, step: int = 1) -> mx.array:
     """int32 text positions start, start+step, ... < stop (the decode kernels read them, so
-    one or two of them are not left in MLX's 8-byte managed pool: `arange.int_arange`)."""
+    one or two of them are not left in MLX's 8-byte managed pool: `device_arrays.int_arange`)."""
     return int_arange(start, stop, step)
 
 

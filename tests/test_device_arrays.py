@@ -1,11 +1,11 @@
-"""int_arange: the index arrays that kernels read (text positions, cache row indices)."""
+"""device_arrays: index arrays and constants that kernels read, made in device memory."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_qsa.arange import int_arange
 from mlx_qsa.cache import row_index
+from mlx_qsa.device_arrays import device_constant, int_arange
 from mlx_qsa.rope import text_positions
 
 
@@ -49,3 +49,37 @@ def test_layer_helpers_use_it() -> None:
     np.testing.assert_array_equal(np.array(text_positions(0, 12, 4)), [0, 4, 8])
     np.testing.assert_array_equal(np.array(row_index(100, 1)), [100])
     np.testing.assert_array_equal(np.array(row_index(100, 5)), np.arange(100, 105))
+
+
+@pytest.mark.parametrize(
+    "values,dtype",
+    [
+        ([[-1.0], [1.0]], mx.float32),
+        ([[-0.0, 1e-30, -3.5e38, float("inf")]], mx.float32),
+        ([7], mx.int32),
+        ([-2, 3], mx.int32),
+        ([1.5, -0.0, 2.25], mx.bfloat16),
+        ([True, False, True], mx.bool_),
+        ([[0.5] * 40], mx.float32),
+    ],
+)
+def test_device_constant_keeps_shape_dtype_and_bits(values, dtype) -> None:
+    host = mx.array(values, dtype=dtype)
+    got = device_constant(host)
+    assert got.shape == host.shape and got.dtype == host.dtype
+    if dtype == mx.bfloat16:
+        np.testing.assert_array_equal(np.array(got.view(mx.uint16)), np.array(host.view(mx.uint16)))
+    elif dtype == mx.float32:
+        np.testing.assert_array_equal(np.array(got.view(mx.uint32)), np.array(host.view(mx.uint32)))
+    else:
+        np.testing.assert_array_equal(np.array(got), np.array(host))
+
+
+def test_device_constant_broadcasts_like_the_original_after_the_host_array_is_gone() -> None:
+    # The copy of a [2, 1] constant is a reshaped view of a padded buffer: later ops must
+    # broadcast it exactly as they broadcast the original.
+    host = mx.array([[-1.0], [1.0]])
+    got = device_constant(host)
+    del host
+    x = mx.array([[2.0, 3.0], [4.0, 5.0]])
+    np.testing.assert_array_equal(np.array(got * x), [[-2.0, -3.0], [4.0, 5.0]])
