@@ -40,6 +40,7 @@ def test_decode_document(tmp_path) -> None:
     for p in doc["points"]:
         t = p["timings"]
         expected = {"qsa_portable", "mlx_gather_sdpa", "mlx_dense_sdpa", "qsa_portable_layer"}
+        expected |= {"qsa_portable_async", "mlx_gather_sdpa_async"}
         assert expected <= set(t)
         assert ("qsa_cuda" in t) == cuda
         for v in t.values():
@@ -61,8 +62,18 @@ def test_decode_document(tmp_path) -> None:
         assert p["ratios"][f"mlx_dense_sdpa/{ours}"] == pytest.approx(
             t["mlx_dense_sdpa"]["median_us"] / t[ours]["median_us"]
         )
+        assert p["ratios"][f"mlx_gather_sdpa_async/{ours}_async"] == pytest.approx(
+            t["mlx_gather_sdpa_async"]["median_us"] / t[f"{ours}_async"]["median_us"]
+        )
         if not cuda:
             assert "torch" in p["skipped"]["torch_dense_sdpa"]
+        elif "torch_dense_sdpa" in t:  # both of torch's modes, each with its like ratio
+            assert p["ratios"]["torch_dense_sdpa/qsa_cuda_async"] == pytest.approx(
+                t["torch_dense_sdpa"]["median_us"] / t["qsa_cuda_async"]["median_us"]
+            )
+            assert p["ratios"]["torch_dense_sdpa_sync/qsa_cuda"] == pytest.approx(
+                t["torch_dense_sdpa_sync"]["median_us"] / t["qsa_cuda"]["median_us"]
+            )
         prim = p["primitives"]
         for name in ("qsa_portable", "qsa_portable_layer"):
             assert prim[name]["total"] == sum(prim[name]["by_kind"].values()) > 0

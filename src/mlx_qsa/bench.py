@@ -10,6 +10,10 @@ row count, over >= 8 rotated buffer sets (so L2 does not hold the working set):
   (attention only, given the selection);
 - `mlx_dense_sdpa`: MLX's SDPA over the whole context; `torch_dense_sdpa`: torch's SDPA (flash
   backend where it runs) over the whole context;
+- MLX entries end each step in `mx.eval` (a host round trip per step), `_async` ones queue the
+  steps (`mx.async_eval`, one synchronisation per pass); `torch_dense_sdpa` is queued (CUDA
+  events around the pass) and `torch_dense_sdpa_sync` synchronises after every step. `ratios`
+  pairs like with like as well as every entry against the synchronised CUDA step;
 - the bandwidth floor: the bytes a step must move (block keys, the union of the rows' selected
   K/V, queries, outputs) over the device copy bandwidth measured in the same run.
 Each configuration is checked before it is timed: CUDA and portable selections bit-identical,
@@ -92,7 +96,12 @@ def time_mlx(
     return summary(samples)
 
 
-def time_torch(step: Callable[[int], Any], n_sets: int, warmup: int, repeats: int) -> dict:
+def time_torch(
+    step: Callable[[int], Any], n_sets: int, warmup: int, repeats: int, sync_each: bool = False
+) -> dict:
+    """Median over `repeats` samples of a pass over the sets, time / steps: by CUDA events
+    around the queued steps, or (`sync_each`) by wall clock with `torch.cuda.synchronize()`
+    after every step, as `time_mlx` times one `mx.eval` per step."""
     import torch
 
     for i in range(warmup * n_sets):
@@ -100,13 +109,20 @@ def time_torch(step: Callable[[int], Any], n_sets: int, warmup: int, repeats: in
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
+        if sync_each:
+            t0 = time.perf_counter()
+            for i in range(n_sets):
+                step(i)
+                torch.cuda.synchronize()
+            samples.append((time.perf_counter() - t0) / n_sets * 1e6)
+            continue
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
         for i in range(n_sets):
             step(i)
-        t1.record()
+        e1.record()
         torch.cuda.synchronize()
-        samples.append(t0.elapsed_time(t1) * 1e3 / n_sets)
+        samples.append(e0.elapsed_time(e1) * 1e3 / n_sets)
     return summary(samples)
 
 
@@ -422,6 +438,9 @@ def bench_decode_point(
     t["mlx_gather_sdpa"] = time_mlx(
         lambda i: mlx_gather_sdpa(sets[i], *gathers[i], scale), n, warm, reps
     )
+    t["mlx_gather_sdpa_async"] = time_mlx(
+        lambda i: mlx_gather_sdpa(sets[i], *gathers[i], scale), n, warm, reps, sync_each=False
+    )
     t["mlx_dense_sdpa"] = time_mlx(lambda i: mlx_dense_sdpa(sets[i], scale), n, warm, reps)
     if layers:
         caches = [random_cache(next(iter(layers.values())), T, rows, seed=i) for i in range(n)]
@@ -448,6 +467,7 @@ def bench_decode_point(
         peer = TorchDense(cfg, T, rows, n, seed=T + rows)
         t["torch_dense_sdpa"] = time_torch(peer.step, n, warm, reps)
         t["torch_dense_sdpa"]["backend"] = peer.backend.name
+        t["torch_dense_sdpa_sync"] = time_torch(peer.step, n, warm, reps, sync_each=True)
         if peer.note:
             t["torch_dense_sdpa"]["note"] = peer.note
         if rows > 1:
@@ -459,11 +479,19 @@ def bench_decode_point(
 
 
 def ratios(rec: dict[str, Any]) -> dict[str, float]:
-    """Peer median / ours (> 1: ours faster), and ours over the floor."""
+    """Peer median / ours (> 1: ours faster), and ours over the floor. Besides every entry
+    over ours with a host round trip per step, the queued peers over ours queued (torch's
+    `torch_dense_sdpa` is queued: CUDA events around the steps), so each mode has a ratio of
+    like against like."""
     t = rec["timings"]
     ours = "qsa_cuda" if "qsa_cuda" in t else "qsa_portable"
     m = t[ours]["median_us"]
     out = {f"{k}/{ours}": v["median_us"] / m for k, v in t.items() if k != ours}
+    queued = f"{ours}_async"
+    if queued in t:
+        for k in ("torch_dense_sdpa", "mlx_gather_sdpa_async"):
+            if k in t:
+                out[f"{k}/{queued}"] = t[k]["median_us"] / t[queued]["median_us"]
     out[f"{ours}/floor"] = m / rec["floor"]["us"]
     return out
 
