@@ -22,6 +22,9 @@
 # managed: benchmarks/managed_read_ab.py (small operands in MLX's managed memory against device
 #          memory), then its kernels under ncu
 # layerab: layer_profile.py (the whole layer step) of .old/src against this tree, interleaved
+# topksass: per-instruction warp-stall samples of the two-launch top-k alone at 128K, sampled
+#          at the shortest interval (--sampling-interval 0: 2^5 cycles) so that one ~20 us CTA
+#          draws enough samples to place (the `sass` step drew 23)
 # topkncu: Nsight Compute's source counters and warp states of the two-launch top-k at 128K
 set -uo pipefail
 OUT="${OUT:-/tmp/qsa-out}"
@@ -119,6 +122,15 @@ for what in "$@"; do
         --ncu-steps 1 > "$OUT/ncu_sass.csv" 2> "$OUT/ncu_sass.err"
       rm -f "$OUT/s.json"
       wc -l "$OUT/ncu_sass.csv"; tail -3 "$OUT/ncu_sass.err"; head -c 1500 "$OUT/ncu_sass.csv" ;;
+    topksass)
+      MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 150 ncu --clock-control none \
+        --cache-control none --profile-from-start off -k "regex:topk" -c 3 \
+        --sampling-interval 0 --section WarpStateStats --section SourceCounters --page source \
+        --print-source sass --csv python3 benchmarks/step_profile.py "$OUT/s.json" \
+        --contexts 131072 --sets 2 --ncu-steps 3 > "$OUT/ncu_topk_sass.csv" 2> "$OUT/ncu_topk.err"
+      rm -f "$OUT/s.json"
+      python3 benchmarks/ncu_sass_summary.py "$OUT/ncu_topk_sass.csv" 2>&1 | head -60 \
+        | tee "$OUT/topk_sass_summary.txt" ;;
     posab)
       for pp in "" --pos-pad; do
         MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 100 ncu --clock-control none \
