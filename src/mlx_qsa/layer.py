@@ -280,10 +280,11 @@ class QSAAttention(nn.Module):
         else:
             u = x @ fused.weight[qw:].T
             qw = 0
-        q = u[..., :qw] if with_query else None
-        e = qw + 2 * kvw
-        qk_rows = u[..., e:] if self.fused == 4 else None
-        return q, u[..., qw : qw + kvw], u[..., qw + kvw : e], qk_rows
+        # One split (views) instead of a slice per part: one MLX primitive, not three or four.
+        cuts = [qw, qw + kvw, qw + 2 * kvw] if self.fused == 4 else [qw, qw + kvw]
+        parts = mx.split(u, cuts, axis=-1)
+        q = parts[0] if with_query else None
+        return q, parts[1], parts[2], parts[3] if self.fused == 4 else None
 
     # -- the call ---------------------------------------------------------------------------
     def __call__(
@@ -323,8 +324,7 @@ class QSAAttention(nn.Module):
             cos, sin = rope_tables(_vision_positions(vision, P, T), cfg)
         prep = _qk_prep(H, Hkv, d, cfg.rotary_dim, cfg.rms_norm_eps, S <= COMPILED_PREP_MAX_ROWS)
         if q_lin is not None:
-            q, k = prep(q_lin, k_lin, self.q_norm.weight, self.k_norm.weight, cos, sin)
-            gate = q_lin.reshape(1, S, H, 2, d)[..., 1, :]
+            q, k, gate = prep(q_lin, k_lin, self.q_norm.weight, self.k_norm.weight, cos, sin)
         else:
             k = prep(None, k_lin, None, self.k_norm.weight, cos, sin)[0]
         v = v_lin.reshape(1, S, Hkv, d).transpose(0, 2, 1, 3)
@@ -640,8 +640,8 @@ def _qk_prep(
     n_heads: int, kv_heads: int, head_dim: int, rotary_dim: int, eps: float, compiled: bool
 ):
     """Per-head RMSNorm then partial RoPE of the query half of q_proj (QSA.md §4) and of k:
-    `prep(q_lin | None, k_lin, q_norm_w, k_norm_w, cos, sin) -> (q, k) | (k,)`, both
-    `[1, heads, S, d]`."""
+    `prep(q_lin | None, k_lin, q_norm_w, k_norm_w, cos, sin) -> (q, k, gate) | (k,)`: q and k
+    `[1, heads, S, d]`, the output gate's logits `[1, S, heads, d]`."""
 
     def k_part(k_lin, k_w, cos, sin):
         S = k_lin.shape[1]
@@ -650,9 +650,11 @@ def _qk_prep(
 
     def both(q_lin, k_lin, q_w, k_w, cos, sin):
         S = q_lin.shape[1]
-        q = rms_norm(q_lin.reshape(1, S, n_heads, 2, head_dim)[..., 0, :], q_w, eps)
+        # q_proj's rows are (query, gate) per head: one reshape and one split (views) for both
+        q_half, gate = mx.split(q_lin.reshape(1, S, n_heads, 2, head_dim), 2, axis=3)
+        q = rms_norm(q_half.squeeze(3), q_w, eps)
         q = apply_rope(q.transpose(0, 2, 1, 3), cos, sin, rotary_dim)
-        return q, k_part(k_lin, k_w, cos, sin)
+        return q, k_part(k_lin, k_w, cos, sin), gate.squeeze(3)
 
     def only_k(k_lin, k_w, cos, sin):
         return (k_part(k_lin, k_w, cos, sin),)
