@@ -22,6 +22,7 @@
 # managed: benchmarks/managed_read_ab.py (small operands in MLX's managed memory against device
 #          memory), then its kernels under ncu
 # layerab: layer_profile.py (the whole layer step) of .old/src against this tree, interleaved
+# graphsab: step_profile with MLX's CUDA graphs on and off (MLX_USE_CUDA_GRAPHS=1|0), interleaved
 # topksass: per-instruction warp-stall samples of the two-launch top-k alone at 128K, sampled
 #          at the shortest interval (--sampling-interval 0: 2^5 cycles) so that one ~20 us CTA
 #          draws enough samples to place (the `sass` step drew 23)
@@ -122,6 +123,13 @@ for what in "$@"; do
         --ncu-steps 1 > "$OUT/ncu_sass.csv" 2> "$OUT/ncu_sass.err"
       rm -f "$OUT/s.json"
       wc -l "$OUT/ncu_sass.csv"; tail -3 "$OUT/ncu_sass.err"; head -c 1500 "$OUT/ncu_sass.csv" ;;
+    graphsab)
+      for g in 1 0 1 0; do
+        MLX_USE_CUDA_GRAPHS=$g timeout 100 python3 benchmarks/step_profile.py "$OUT/g.json" \
+          --contexts 8192,131072 --rows 1,4 --sets 4 2>&1 | grep '^T=' | sed "s/^/graphs=$g /" \
+          | tee -a "$OUT/graphsab.log"
+      done
+      rm -f "$OUT/g.json" ;;
     topksass)
       MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 150 ncu --clock-control none \
         --cache-control none --profile-from-start off -k "regex:topk" -c 3 \
