@@ -81,13 +81,15 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, rotary_dim: int) -> mx
     # [..., n, 1, 2, half] (a; b) times [n, 2, 1, half] (cos; sin): one broadcast multiply gives
     # all four products with no copies of x (each concatenation would be a kernel per input).
     pairs = xf.reshape(*xf.shape[:-1], 1, 2, half)
-    prods = pairs * mx.stack([cos, sin], axis=1)[:, :, None, :]
+    table = mx.concatenate([cos, sin], axis=-1).reshape(cos.shape[0], 2, 1, half)  # 2 primitives
+    prods = pairs * table
     # The split is the fusion barrier: each product is rounded to float32 before the add. One
     # split (views, no kernel) instead of an index per half: fewer primitives per rotation.
     by_cos, by_sin = mx.split(prods, 2, axis=-3)  # (a·cos; b·cos), (a·sin; b·sin)
     by_sin = by_sin[..., ::-1, :]  # (b·sin; a·sin)
     # (a·cos − b·sin; b·cos + a·sin): a product by ±1 is exact, so the add rounds as a subtract
-    rotated = (by_cos + _SIGNS * by_sin).reshape(xf.shape).astype(x.dtype)
+    # (cast before the reshape: under mx.compile the cast fuses into the add's kernel)
+    rotated = (by_cos + _SIGNS * by_sin).astype(x.dtype).reshape(xf.shape)
     if rotary_dim == x.shape[-1]:
         return rotated
     return mx.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
