@@ -83,3 +83,19 @@ def test_device_constant_broadcasts_like_the_original_after_the_host_array_is_go
     del host
     x = mx.array([[2.0, 3.0], [4.0, 5.0]])
     np.testing.assert_array_equal(np.array(got * x), [[-2.0, -3.0], [4.0, 5.0]])
+
+
+def test_rope_constants_are_made_when_a_layer_is_built_not_at_import() -> None:
+    # Evaluating at import would start the GPU in every process that imports the package (a
+    # forked worker could then not use CUDA); a layer's construction makes them instead.
+    import subprocess
+    import sys
+
+    code = (
+        "import mlx_qsa.rope as r; assert not r._signs, 'made at import'\n"
+        "from mlx_qsa import QSAAttention, QSAConfig\n"
+        "QSAAttention(QSAConfig(), fused=4)\n"
+        "assert r._signs['signs'].tolist() == [[-1.0], [1.0]]\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

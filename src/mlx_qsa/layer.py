@@ -34,7 +34,14 @@ from .indexer import (
     split_qk_rows,
 )
 from .kernels import resolve_impl
-from .rope import apply_rope, rms_norm, rope_tables, text_positions, text_rope
+from .rope import (
+    apply_rope,
+    prepare_device_constants,
+    rms_norm,
+    rope_tables,
+    text_positions,
+    text_rope,
+)
 from .sharding import check_cache, claim_cache, shard_layer
 
 FUSED_LEVELS = (0, 3, 4)
@@ -103,6 +110,7 @@ class QSAAttention(nn.Module):
         self.config = config
         self.options = options or QSAOptions()
         self.capabilities = capabilities or plan.Capabilities.reference()
+        prepare_device_constants()
         self.requested_fused = fused
         if config.attention_bias or not config.has_indexer:
             fused = 0

@@ -51,8 +51,17 @@ def rope_tables(positions: mx.array, cfg: QSAConfig) -> tuple[mx.array, mx.array
     return mx.cos(phi), mx.sin(phi)
 
 
-# Read by every RoPE kernel: a GPU-made copy (8 bytes made on the host sit in MLX's managed pool).
-_SIGNS = device_constant(mx.array([[-1.0], [1.0]], dtype=mx.float32))
+# The signs of rotate-half, read by every RoPE kernel. Made on the host they sit in MLX's 8-byte
+# managed pool (device_arrays), so `prepare_device_constants` (run when a layer is built, outside
+# any mx.compile; not at import, which would start the GPU) swaps in a GPU-made copy.
+_SIGNS_HOST = mx.array([[-1.0], [1.0]], dtype=mx.float32)
+_signs: dict[str, mx.array] = {}
+
+
+def prepare_device_constants() -> None:
+    """Make RoPE's constants in device memory (evaluates: call outside mx.compile)."""
+    if "signs" not in _signs:
+        _signs["signs"] = device_constant(_SIGNS_HOST)
 
 
 def text_positions(start: int, stop: int, step: int = 1) -> mx.array:
@@ -89,7 +98,8 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, rotary_dim: int) -> mx
     by_sin = by_sin[..., ::-1, :]  # (b·sin; a·sin)
     # (a·cos − b·sin; b·cos + a·sin): a product by ±1 is exact, so the add rounds as a subtract
     # (cast before the reshape: under mx.compile the cast fuses into the add's kernel)
-    rotated = (by_cos + _SIGNS * by_sin).astype(x.dtype).reshape(xf.shape)
+    signs = _signs.get("signs", _SIGNS_HOST)
+    rotated = (by_cos + signs * by_sin).astype(x.dtype).reshape(xf.shape)
     if rotary_dim == x.shape[-1]:
         return rotated
     return mx.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
