@@ -35,7 +35,7 @@ __shared__ int p_s;
 if (threadIdx.x == 0) p_s = pos[0];
 __syncthreads();
 const int i = blockIdx.x * blockDim.x + threadIdx.x;
-if (i < out_shape[0]) out[i] = p_s + i;
+if (i < N) out[i] = p_s + i;  // N: template (outputs have no shape argument)
 """
 
 
@@ -71,8 +71,8 @@ def main() -> None:
 
     def pos_op(p):
         return kern(
-            inputs=[p], grid=(256 * 256, 1, 1), threadgroup=(256, 1, 1),
-            output_shapes=[(256 * 256,)], output_dtypes=[mx.int32],
+            inputs=[p], template=[("N", 256 * 256)], grid=(256 * 256, 1, 1),
+            threadgroup=(256, 1, 1), output_shapes=[(256 * 256,)], output_dtypes=[mx.int32],
         )[0]  # fmt: skip
 
     cases = {}
