@@ -44,5 +44,4 @@ def device_constant(host: mx.array) -> mx.array:
     mx.eval(copy)
     out = copy[:n].reshape(host.shape)
     mx.eval(out)
-    del flat
     return out

@@ -56,7 +56,7 @@ def compact(text: str) -> str:
             j = text.find("*/", i + 2)
             if j < 0:
                 raise ValueError("unterminated /* comment in CUDA source")
-            out.append(" " if text.count("\n", i, j) == 0 else "\n" * text.count("\n", i, j))
+            out.append("\n" * text.count("\n", i, j) or " ")  # keep its line breaks
             i = j + 2
         else:
             j = i

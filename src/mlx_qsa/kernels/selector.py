@@ -13,6 +13,7 @@ import os
 
 import mlx.core as mx
 
+from ..device_arrays import MIN_ELEMENTS
 from . import _launch, device
 from .device import DeviceLimits
 
@@ -27,9 +28,10 @@ _NT_SPLIT = 512  # threads of a one-launch CTA whose block keys take one thread 
 
 def _nbs_len(S: int) -> int:
     """Length of the score pass's nbs output (the rows' block counts, read by the top-k): at
-    least 3 int32, so that MLX does not place it in its small managed-memory pool (arrays of
-    at most 8 bytes, MLX 0.32 on CUDA); only the first S are written and read."""
-    return max(S, 3)
+    least `device_arrays.MIN_ELEMENTS` int32, so that MLX does not place it in its small
+    managed-memory pool (arrays of at most 8 bytes, MLX 0.32 on CUDA); only the first S are
+    written and read."""
+    return max(S, MIN_ELEMENTS)
 
 
 def score_smem_bytes(nt: int = _NT_SCORE, split_heads: int = 0) -> int:
