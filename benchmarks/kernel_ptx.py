@@ -88,6 +88,14 @@ JOBS = {
     "prefill_score": (
         "prefill_score.cu", "score", SEL_IN, SEL_OUT, [("RATIO", 4), ("L", 8), ("GB", 4)], "",
     ),
+    "rope": (
+        "rope.cu", "rope", [("x", BF), ("cos_t", "float"), ("sin_t", "float")], [("out", BF)],
+        [("T", BF), ("RD", 64)], "",
+    ),
+    "rope_f32": (
+        "rope.cu", "rope", [("x", "float"), ("cos_t", "float"), ("sin_t", "float")],
+        [("out", "float")], [("T", "float"), ("RD", 64)], "",
+    ),
 }  # fmt: skip
 
 
@@ -101,7 +109,10 @@ def source(filename, section, inputs, outputs, template, prefix) -> str:
             if n + suffix in body:
                 params.append(f"const __grid_constant__ {kind} {n}{suffix}")
     params += [f"{t}* {n}" for n, t in outputs]
-    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
+    consts = "".join(  # a type name (MLX's dtype template argument) becomes an alias
+        f"  using {k} = {v};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
+        for k, v in template
+    )
     return (
         _PRE + common_header() + "namespace mlx::core::cu {\n__global__ void kernel("
         + ", ".join(params) + ") {\n" + consts + body + "\n}\n}\n"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 5 step work on the lent GPU (after `source .device/part-b/activate.sh`):
 #   bash benchmarks/step_device.sh tests|profile|ncu ...
-# tests:   the CUDA decode, prefill and layer tests
+# tests:   the CUDA decode, prefill, layer and RoPE tests
 # profile: benchmarks/step_profile.py at 8K and 128K, one launch (default) and MLX_QSA_ONE_LAUNCH=0
 # ncu:     the kernels of 3 steps at 128K with their SM clock and cycles (ncu --clock-control none)
 # select:  one-launch against two-launch selector (MLX_QSA_SELECT_ONE_LAUNCH=1|0) at 8K-128K:
@@ -39,8 +39,8 @@ for what in "$@"; do
   case "$what" in
     tests)
       timeout 330 python3 -m pytest -o addopts= -q -x -rs -p no:cacheprovider \
-        tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_layer.py 2>&1 \
-        | tee "$OUT/tests.log" | tail -6
+        tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_layer.py \
+        tests/test_cuda_rope.py 2>&1 | tee "$OUT/tests.log" | tail -6
       rc=$((rc | PIPESTATUS[0])) ;;
     profile)
       for ol in 1 0; do

@@ -85,11 +85,11 @@ def _graph(
         z = source @ proj_w.T if hidden_source else source
         q_raw, k_raw = split_qk_rows(z, g)
         raw = write_rows(raw, k_raw, positions, 1)
-        window = pool_blocks(raw, win_start, m, k_norm_w, cos_win, sin_win, g)
+        window = pool_blocks(raw, win_start, m, k_norm_w, cos_win, sin_win, g, impl)
         pooled = write_rows(pooled, window, win_start + mx.arange(m, dtype=mx.int32), 1)
         if mode == "update_only":
             return raw, pooled
-        q = prepare_queries(q_raw, q_norm_w, cos_rows, sin_rows, g)
+        q = prepare_queries(q_raw, q_norm_w, cos_rows, sin_rows, g, impl)
         keys_t = pooled[0].astype(mx.float32).T
         if mode == "row_tokens":
             slots, slot_valid = select_row_tokens(

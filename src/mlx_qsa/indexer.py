@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import QSAConfig
-from .rope import apply_rope, rms_norm
+from .rope import rms_norm, rope
 
 SQRT_128_F32 = 11.313708305358887  # float32(sqrt(128)), bits 0x413504f3
 
@@ -65,10 +65,16 @@ def split_qk_rows(z: mx.array, g: IndexerGeometry) -> tuple[mx.array, mx.array]:
 
 
 def prepare_queries(
-    q_raw: mx.array, norm_w: mx.array, cos: mx.array, sin: mx.array, g: IndexerGeometry
+    q_raw: mx.array,
+    norm_w: mx.array,
+    cos: mx.array,
+    sin: mx.array,
+    g: IndexerGeometry,
+    impl: str = "portable",
 ) -> mx.array:
-    """Index queries: RMSNorm (q_layernorm) then RoPE at the rows' positions."""
-    return apply_rope(rms_norm(q_raw, norm_w, g.eps), cos, sin, g.rotary_dim)
+    """Index queries: RMSNorm (q_layernorm) then RoPE at the rows' positions (`impl`: the
+    RoPE implementation, `rope.rope`)."""
+    return rope(rms_norm(q_raw, norm_w, g.eps), cos, sin, g.rotary_dim, impl)
 
 
 def pool_blocks(
@@ -79,6 +85,7 @@ def pool_blocks(
     cos: mx.array,
     sin: mx.array,
     g: IndexerGeometry,
+    impl: str = "portable",
 ) -> mx.array:
     """Block keys `[1, n_blocks, d_I]` for blocks first_block .. first_block+n_blocks-1.
 
@@ -102,7 +109,7 @@ def pool_blocks(
     for part in parts[1:]:
         acc = acc + part
     mean = (acc / r).astype(raw.dtype)
-    return apply_rope(rms_norm(mean, norm_w, g.eps), cos, sin, g.rotary_dim)
+    return rope(rms_norm(mean, norm_w, g.eps), cos, sin, g.rotary_dim, impl)
 
 
 @lru_cache(maxsize=64)

@@ -35,9 +35,9 @@ from .indexer import (
 )
 from .kernels import resolve_impl
 from .rope import (
-    apply_rope,
     prepare_device_constants,
     rms_norm,
+    rope,
     rope_tables,
     text_positions,
     text_rope,
@@ -330,7 +330,9 @@ class QSAAttention(nn.Module):
             _, cos, sin = text_rope(cfg, P, T)
         else:
             cos, sin = rope_tables(_vision_positions(vision, P, T), cfg)
-        prep = _qk_prep(H, Hkv, d, cfg.rotary_dim, cfg.rms_norm_eps, S <= COMPILED_PREP_MAX_ROWS)
+        prep = _qk_prep(
+            H, Hkv, d, cfg.rotary_dim, cfg.rms_norm_eps, S <= COMPILED_PREP_MAX_ROWS, self.impl
+        )
         if q_lin is not None:
             q, k, gate = prep(q_lin, k_lin, self.q_norm.weight, self.k_norm.weight, cos, sin)
         else:
@@ -562,7 +564,7 @@ class QSAAttention(nn.Module):
             b0, n = u.pooled_len, nb - u.pooled_len
             cos_b, sin_b = self._block_tables(b0, n, vision)
             blocks = pool_blocks(
-                u.raw_keys, b0, n, self.indexer.k_layernorm.weight, cos_b, sin_b, g
+                u.raw_keys, b0, n, self.indexer.k_layernorm.weight, cos_b, sin_b, g, self.impl
             )
             cap_pool = u.pooled.shape[1] if u.pooled is not None else 0
             pooled = ensure_rows(
@@ -589,7 +591,7 @@ class QSAAttention(nn.Module):
             u.pooled_f32_t[0, 0] if iplan.selector == "oracle" else u.pooled[0].astype(mx.float32).T
         )
         cos_q, sin_q = self._index_tables(P, T, vision)
-        q = prepare_queries(q_raw, self.indexer.q_layernorm.weight, cos_q, sin_q, g)
+        q = prepare_queries(q_raw, self.indexer.q_layernorm.weight, cos_q, sin_q, g, self.impl)
         chunk = self._eager_chunk(iplan, S, keys_t.shape[1], q.dtype, u.pooled.dtype)
         kind = iplan.selection
         args = (q, keys_t, block_penalty(keys_t.shape[1]), rows, g.ratio, g.block_topk, chunk)
@@ -645,23 +647,30 @@ COMPILED_PREP_MAX_ROWS = 16
 
 @lru_cache(maxsize=64)
 def _qk_prep(
-    n_heads: int, kv_heads: int, head_dim: int, rotary_dim: int, eps: float, compiled: bool
+    n_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    eps: float,
+    compiled: bool,
+    impl: str = "portable",
 ):
     """Per-head RMSNorm then partial RoPE of the query half of q_proj (QSA.md §4) and of k:
     `prep(q_lin | None, k_lin, q_norm_w, k_norm_w, cos, sin) -> (q, k, gate) | (k,)`: q and k
-    `[1, heads, S, d]`, the output gate's logits `[1, S, heads, d]`."""
+    `[1, heads, S, d]`, the output gate's logits `[1, S, heads, d]` (`impl`: the RoPE
+    implementation, `rope.rope`)."""
 
     def k_part(k_lin, k_w, cos, sin):
         S = k_lin.shape[1]
         k = rms_norm(k_lin.reshape(1, S, kv_heads, head_dim), k_w, eps)
-        return apply_rope(k.transpose(0, 2, 1, 3), cos, sin, rotary_dim)
+        return rope(k.transpose(0, 2, 1, 3), cos, sin, rotary_dim, impl)
 
     def both(q_lin, k_lin, q_w, k_w, cos, sin):
         S = q_lin.shape[1]
         # q_proj's rows are (query, gate) per head: one reshape and one split (views) for both
         q_half, gate = mx.split(q_lin.reshape(1, S, n_heads, 2, head_dim), 2, axis=3)
         q = rms_norm(q_half.squeeze(3), q_w, eps)
-        q = apply_rope(q.transpose(0, 2, 1, 3), cos, sin, rotary_dim)
+        q = rope(q.transpose(0, 2, 1, 3), cos, sin, rotary_dim, impl)
         return q, k_part(k_lin, k_w, cos, sin), gate.squeeze(3)
 
     def only_k(k_lin, k_w, cos, sin):

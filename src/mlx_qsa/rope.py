@@ -105,6 +105,19 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, rotary_dim: int) -> mx
     return mx.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
 
 
+def rope(x: mx.array, cos: mx.array, sin: mx.array, rotary_dim: int, impl: str) -> mx.array:
+    """`apply_rope` by the implementation `impl` names: with "cuda", the CUDA kernel
+    (kernels/rope.py) where it covers the call, one MLX primitive instead of ~11; otherwise the
+    portable routine. The same bits either way (same float32 products, one rounded add or
+    subtract, the same cast)."""
+    if impl == "cuda":
+        from .kernels.rope import rope_cuda, rope_cuda_supports
+
+        if rope_cuda_supports(x, cos, rotary_dim):
+            return rope_cuda(x, cos, sin, rotary_dim)
+    return apply_rope(x, cos, sin, rotary_dim)
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """Plain-weight RMSNorm: `bf16(x / sqrt(mean(x^2) + eps)) * w` (MLX order, QSA.md §3).
 
