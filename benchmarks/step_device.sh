@@ -8,6 +8,8 @@
 #          step_profile and the kernels' warm-cache times (ncu --cache-control none)
 # ab:      step_profile of this tree against an older one in .old/src (carried), interleaved
 # ab2:     the same, once each, 1 and 4 rows
+# rtests:  tests/test_cuda_rope.py and tests/test_cuda_layer.py
+# bench:   mlx-qsa bench decode, the full grid, 8 sets, 5 repeats
 # ktests:  the CUDA decode tests and the layer's concurrent-counter test only (a shorter `tests`)
 # warm:    every kernel's warm-cache time at 8K and 128K, one launch each and two (ncu)
 # split:   the one-launch selector scoring with one thread per indexer head against the default
@@ -24,7 +26,7 @@
 # layerab: layer_profile.py (the whole layer step) of .old/src against this tree, interleaved
 # graphsab: step_profile with MLX's CUDA graphs on and off (MLX_USE_CUDA_GRAPHS=1|0), interleaved
 # topksass: per-instruction warp-stall samples of the two-launch top-k alone at 128K, sampled
-#          at the shortest interval (--sampling-interval 0: 2^5 cycles) so that one ~20 us CTA
+#          at the shortest interval (--warp-sampling-interval 0: 2^5 cycles) so that one ~20 us CTA
 #          draws enough samples to place (the `sass` step drew 23)
 # topkncu: Nsight Compute's source counters and warp states of the two-launch top-k at 128K
 set -uo pipefail
@@ -42,6 +44,14 @@ for what in "$@"; do
         tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_layer.py \
         tests/test_cuda_rope.py 2>&1 | tee "$OUT/tests.log" | tail -6
       rc=$((rc | PIPESTATUS[0])) ;;
+    rtests)  # the RoPE kernel's tests and the layer tests only (a shorter `tests`)
+      timeout 300 python3 -m pytest -o addopts= -q -x -rs -p no:cacheprovider \
+        tests/test_cuda_rope.py tests/test_cuda_layer.py 2>&1 | tee "$OUT/rtests.log" | tail -6
+      rc=$((rc | PIPESTATUS[0])) ;;
+    bench)  # the full decode grid
+      timeout 400 python3 -m mlx_qsa bench decode --sets 8 --repeats 5 \
+        --out "$OUT/decode_h100_full.json" --png "$OUT/decode_h100_full.png" 2>&1 \
+        | tee "$OUT/bench.log" | tail -20 ;;
     profile)
       for ol in 1 0; do
         MLX_QSA_ONE_LAUNCH=$ol timeout 120 python3 benchmarks/step_profile.py \
@@ -133,7 +143,7 @@ for what in "$@"; do
     topksass)
       MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 150 ncu --clock-control none \
         --cache-control none --profile-from-start off -k "regex:topk" -c 3 \
-        --sampling-interval 0 --section WarpStateStats --section SourceCounters --page source \
+        --warp-sampling-interval 0 --section WarpStateStats --section SourceCounters --page source \
         --print-source sass --csv python3 benchmarks/step_profile.py "$OUT/s.json" \
         --contexts 131072 --sets 2 --ncu-steps 3 > "$OUT/ncu_topk_sass.csv" 2> "$OUT/ncu_topk.err"
       rm -f "$OUT/s.json"
