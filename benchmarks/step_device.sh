@@ -10,6 +10,8 @@
 # ab2:     the same, once each, 1 and 4 rows
 # rtests:  tests/test_cuda_rope.py and tests/test_cuda_layer.py
 # bench:   mlx-qsa bench decode, the full grid, 8 sets, 5 repeats
+# graphsbench: the 1-row decode grid with MLX_USE_CUDA_GRAPHS=1, 0, 1 (the setting is read
+#          once per process)
 # ktests:  the CUDA decode tests and the layer's concurrent-counter test only (a shorter `tests`)
 # warm:    every kernel's warm-cache time at 8K and 128K, one launch each and two (ncu)
 # split:   the one-launch selector scoring with one thread per indexer head against the default
@@ -52,6 +54,14 @@ for what in "$@"; do
       timeout 400 python3 -m mlx_qsa bench decode --sets 8 --repeats 5 \
         --out "$OUT/decode_h100_full.json" --png "$OUT/decode_h100_full.png" 2>&1 \
         | tee "$OUT/bench.log" | tail -20 ;;
+    graphsbench)  # 1-row decode grid with MLX's CUDA graphs on, off, on (MLX_USE_CUDA_GRAPHS)
+      n=0
+      for g in 1 0 1; do
+        n=$((n + 1))
+        MLX_USE_CUDA_GRAPHS=$g timeout 150 python3 -m mlx_qsa bench decode --rows 1 --sets 8 \
+          --repeats 5 --out "$OUT/decode_rows1_graphs${g}_$n.json" 2>&1 | grep '^T=' \
+          | sed "s/^/graphs=$g /" | tee -a "$OUT/graphsbench.log"
+      done ;;
     profile)
       for ol in 1 0; do
         MLX_QSA_ONE_LAUNCH=$ol timeout 120 python3 benchmarks/step_profile.py \
