@@ -17,6 +17,7 @@ import pytest
 import mlx_qsa.layer as layer_mod
 from mlx_qsa.config import QSAConfig, QSAOptions
 from mlx_qsa.indexer import IndexerGeometry, prepare_queries, split_qk_rows
+from mlx_qsa.kernels._launch import env_switch
 from mlx_qsa.layer import QSAAttention
 from mlx_qsa.plan import Capabilities
 from mlx_qsa.rope import rope_tables, text_positions
@@ -139,6 +140,29 @@ class Seen:
     positions: np.ndarray
     T: int
     impl: str = "portable"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_env_switches():
+    """The launchers read their MLX_QSA_* switches once per process (`env_switch`): no test
+    sees a value cached under another test's environment."""
+    env_switch.cache_clear()
+    yield
+    env_switch.cache_clear()
+
+
+@pytest.fixture
+def set_switch(monkeypatch):
+    """set_switch(name, value): set (None: unset) an MLX_QSA_* switch for this test."""
+
+    def set_(name: str, value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        env_switch.cache_clear()
+
+    return set_
 
 
 @pytest.fixture

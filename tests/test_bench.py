@@ -40,7 +40,7 @@ def test_decode_document(tmp_path) -> None:
     for p in doc["points"]:
         t = p["timings"]
         expected = {"qsa_portable", "mlx_gather_sdpa", "mlx_dense_sdpa", "qsa_portable_layer"}
-        expected |= {"qsa_portable_async", "mlx_gather_sdpa_async"}
+        expected |= {"qsa_portable_async", "mlx_gather_sdpa_async", "qsa_portable_layer_async"}
         assert expected <= set(t)
         assert ("qsa_cuda" in t) == cuda
         for v in t.values():

@@ -591,7 +591,7 @@ def test_select_one_launch_matches_two_launches(ctx, rows, mode):
     "ctx,rows,n_heads",
     [(37, 1, 4), (2052, 8, 4), (8192, 3, 8), (32771, 1, 4), (131072, 2, 2), (131072, 1, 4)],
 )
-def test_select_split_heads_matches_two_launches(ctx, rows, n_heads, mode, monkeypatch):
+def test_select_split_heads_matches_two_launches(ctx, rows, n_heads, mode, set_switch):
     """The one-launch selector with one thread per indexer head (MLX_QSA_SELECT_SPLIT_HEADS=1)
     gives the two kernels' bits: scores, ids, validity, row tokens."""
     rng = np.random.default_rng([59, ctx, rows, n_heads])
@@ -602,7 +602,7 @@ def test_select_split_heads_matches_two_launches(ctx, rows, n_heads, mode, monke
     pm = mx.array(pos, dtype=mx.int32)
     two = select_blocks_cuda(qm, km, pm, mode=mode, one_launch=False)
     mx.eval(two)
-    monkeypatch.setenv("MLX_QSA_SELECT_SPLIT_HEADS", "1")
+    set_switch("MLX_QSA_SELECT_SPLIT_HEADS", "1")
     for _ in range(2):
         one = select_blocks_cuda(qm, km, pm, mode=mode, one_launch=True)
         mx.eval(one)

@@ -171,7 +171,7 @@ def test_plans_made_once_per_signature_and_never_for_bad_input(monkeypatch):
     assert plans.get(("c",), make("c2"))([]) == "c"
 
 
-def test_selector_one_launch_rule(monkeypatch):
+def test_selector_one_launch_rule(set_switch):
     from mlx_qsa.kernels import selector
 
     small = DeviceLimits((8, 6), 101_376)  # an L40S-class opt-in limit
@@ -184,25 +184,40 @@ def test_selector_one_launch_rule(monkeypatch):
     # one thread per indexer head: 128 staged keys per 512-thread CTA, rows of 132 floats
     assert selector.score_smem_bytes(512, 4) == 64 * 132 * 4 + 128 * 136 * 2
     assert selector.fused_smem_bytes(2048, 4) <= HOPPER.max_shared_memory
-    monkeypatch.delenv("MLX_QSA_SELECT_SPLIT_HEADS", raising=False)
+    set_switch("MLX_QSA_SELECT_SPLIT_HEADS", None)
     assert not selector.split_heads_env()
-    monkeypatch.setenv("MLX_QSA_SELECT_SPLIT_HEADS", "1")
+    set_switch("MLX_QSA_SELECT_SPLIT_HEADS", "1")
     assert selector.split_heads_env()
-    monkeypatch.delenv("MLX_QSA_SELECT_ONE_LAUNCH", raising=False)
+    set_switch("MLX_QSA_SELECT_ONE_LAUNCH", None)
     assert selector.select_one_launch_env() is None
-    monkeypatch.setenv("MLX_QSA_SELECT_ONE_LAUNCH", "0")
+    set_switch("MLX_QSA_SELECT_ONE_LAUNCH", "0")
     assert selector.select_one_launch_env() is False
-    monkeypatch.setenv("MLX_QSA_SELECT_ONE_LAUNCH", "1")
+    set_switch("MLX_QSA_SELECT_ONE_LAUNCH", "1")
     assert selector.select_one_launch_env() is True
 
 
-def test_one_launch_rule(monkeypatch):
+def test_one_launch_rule(set_switch):
     from mlx_qsa.kernels import _launch
 
-    monkeypatch.delenv("MLX_QSA_ONE_LAUNCH", raising=False)
+    set_switch("MLX_QSA_ONE_LAUNCH", None)
     assert _launch.one_launch_default(24, 256)  # flash decode: 24 heads x 1 row
     assert _launch.one_launch_default(48, 256)  # 2 verify rows: 48 x 256 = 48 CTAs of mergers
     assert _launch.one_launch_default(64, 256) and not _launch.one_launch_default(65, 256)
     assert not _launch.one_launch_default(24 * 8, 256)  # 8 rows: the merge kernel is faster
-    monkeypatch.setenv("MLX_QSA_ONE_LAUNCH", "0")
+    set_switch("MLX_QSA_ONE_LAUNCH", "0")
     assert not _launch.one_launch_default(24, 256)
+
+
+def test_switches_are_read_once_per_process(monkeypatch, set_switch):
+    """A switch set after its first read does not change launches (as MLX's own variables);
+    clearing `env_switch` reads it again."""
+    from mlx_qsa.kernels import _launch, selector
+
+    set_switch("MLX_QSA_ONE_LAUNCH", "0")
+    set_switch("MLX_QSA_SELECT_SPLIT_HEADS", "1")
+    assert _launch.one_launch_env() is False and selector.split_heads_env()
+    monkeypatch.setenv("MLX_QSA_ONE_LAUNCH", "1")
+    monkeypatch.delenv("MLX_QSA_SELECT_SPLIT_HEADS")
+    assert _launch.one_launch_env() is False and selector.split_heads_env()
+    _launch.env_switch.cache_clear()
+    assert _launch.one_launch_env() is None and not selector.split_heads_env()

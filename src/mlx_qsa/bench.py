@@ -5,7 +5,8 @@ row count, over >= 8 rotated buffer sets (so L2 does not hold the working set):
 - `qsa_cuda` / `qsa_portable`: selection (score + exact top-512) + attention through the
   library's own routines (`indexer.select_rows`, `consumers.dispatch`) with the CUDA kernels
   or the portable MLX code;
-- `qsa_cuda_layer` / `qsa_portable_layer`: the whole layer call (projections included);
+- `qsa_cuda_layer` / `qsa_portable_layer`: the whole layer call (projections included), and
+  `_layer_async` queued as an engine's decode loop runs it;
 - `mlx_gather_sdpa`: MLX's `take` of the selected rows + `mx.fast.scaled_dot_product_attention`
   (attention only, given the selection);
 - `mlx_dense_sdpa`: MLX's SDPA over the whole context; `torch_dense_sdpa`: torch's SDPA (flash
@@ -467,6 +468,9 @@ def bench_decode_point(
                 caches[0].trim(rows)
             t[f"qsa_{impl}_layer"] = time_mlx(layer_step, n, warm, reps)
             t[f"qsa_{impl}_layer"]["consumers"] = list(layer.last_call.consumers)
+            # Queued, as an engine runs its decode loop (mlx-lm: `mx.async_eval` of step N+1
+            # while step N runs): host build and device work overlap.
+            t[f"qsa_{impl}_layer_async"] = time_mlx(layer_step, n, warm, reps, sync_each=False)
     torch = _torch_cuda() if not args.no_torch else None
     if torch is not None:
         peer = TorchDense(cfg, T, rows, n, seed=T + rows)

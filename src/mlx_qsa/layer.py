@@ -46,6 +46,7 @@ from .sharding import check_cache, claim_cache, shard_layer
 
 FUSED_LEVELS = (0, 3, 4)
 _DTYPES = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
+_KV_PROJ = {0: "k_proj", 3: "qkv_proj", 4: "qkvi_proj"}  # K rows' projection by `fused`
 
 
 @dataclass(frozen=True)
@@ -264,9 +265,9 @@ class QSAAttention(nn.Module):
 
     def _kv_dtype(self, x: mx.array) -> mx.Dtype:
         """dtype of the K/V rows this input produces (projection output promotion)."""
-        proj = {0: "k_proj", 3: "qkv_proj", 4: "qkvi_proj"}[self.fused]
-        # The promotion rule itself, not a probe graph (every call pays for its primitives).
-        return mx.result_type(x.dtype, getattr(self, proj).weight.dtype)
+        # The promotion rule itself, not a probe graph (every call pays for its primitives);
+        # the module's own mapping (nn.Module is a dict) instead of attribute fallbacks.
+        return mx.result_type(x.dtype, self[_KV_PROJ[self.fused]]["weight"].dtype)
 
     # -- projections -----------------------------------------------------------------------
     def _project(

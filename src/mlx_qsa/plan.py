@@ -14,7 +14,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from mlx_qsa.config import QSAOptions
@@ -532,15 +532,24 @@ class CompiledKey:
     prefill_score_producer: str
     selector_chunk_rows: int
 
+    def __hash__(self) -> int:  # the fields' hash, kept: the receipt hashes the key every call
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            self.__dict__["_hash"] = h
+        return h
+
     @property
     def rows(self) -> int:
         return self.input_shape[1]
 
-    @property
+    # Labels are read on every dispatch (graph lookup, receipt): made once per key (keys are
+    # immutable, and `make_compiled_key` hands back the same object for the same call).
+    @cached_property
     def bucket_label(self) -> str:
         return f"raw{self.raw_shape[1]}:pool{self.pooled_shape[1]}:out{self.dense_output_tokens}"
 
-    @property
+    @cached_property
     def label(self) -> str:
         return (
             f"{self.source}:{self.mode}:s{self.rows}:{self.bucket_label}"
@@ -557,13 +566,17 @@ class CompiledKey:
         return d
 
 
+@lru_cache(maxsize=256)
 def make_compiled_key(
     *, source: str, mode: str, rows: int, input_width: int, input_dtype: str, cap_raw: int,
     cap_pool: int, raw_dtype: str, pooled_dtype: str, caps: Capabilities, q_dtype: str,
     n_heads: int = 4, kv_heads: int = 1, head_dim: int = 128, block_topk: int = 512,
     compress_ratio: int = 4, prefill_workspace: int = DEFAULT_PREFILL_WORKSPACE,
 ) -> CompiledKey:  # fmt: skip
-    """The key of a compiled call; capacities are those after the §2.2 reservation."""
+    """The key of a compiled call; capacities are those after the §2.2 reservation.
+
+    Memoized: a decode step repeats its key, and one shared object hashes, compares (by
+    identity first) and labels cheaply in the graph table and the receipt."""
     if source not in ("qk_rows", "hidden"):
         raise ValueError(
             f"make_compiled_key(source): expected 'qk_rows' or 'hidden', got {source!r}"

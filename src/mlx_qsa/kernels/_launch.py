@@ -155,10 +155,19 @@ def one_launch_default(rows: int, d: int) -> bool:
     return rows * d <= MERGERS_MAX * ATTN_THREADS
 
 
+@functools.cache
+def env_switch(name: str) -> str | None:
+    """An ``MLX_QSA_*`` A/B switch, read once per process, as MLX reads its own variables: a
+    decode step calls the launchers' switches about four times, and each ``os.environ`` read
+    costs ~1 µs of host time per layer and step. A test that sets one calls
+    ``env_switch.cache_clear()`` (tests/conftest.py clears it after every test)."""
+    return os.environ.get(name)
+
+
 def one_launch_env() -> bool | None:
     """False when ``MLX_QSA_ONE_LAUNCH=0`` keeps the separate merge kernel, else None (each
     launcher's own default); part of a launch plan's signature."""
-    return False if os.environ.get("MLX_QSA_ONE_LAUNCH", "1") == "0" else None
+    return False if env_switch("MLX_QSA_ONE_LAUNCH") == "0" else None
 
 
 _COUNTER_SLOTS = 1024

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import mlx.core as mx
 
@@ -67,7 +66,7 @@ def one_launch_default(npad: int, limits: DeviceLimits | None) -> bool:
 def select_one_launch_env() -> bool | None:
     """``MLX_QSA_SELECT_ONE_LAUNCH=0|1`` forces the selector's form (for side-by-side timing);
     None (unset) leaves the choice to the launcher."""
-    v = os.environ.get("MLX_QSA_SELECT_ONE_LAUNCH")
+    v = _launch.env_switch("MLX_QSA_SELECT_ONE_LAUNCH")
     return None if v is None else v != "0"
 
 
@@ -83,7 +82,7 @@ def split_heads_env() -> bool:
     """``MLX_QSA_SELECT_SPLIT_HEADS=1``: the one-launch selector scores with one thread per
     indexer head and runs its top-k on 512 threads (same bits, GPU-tested). Opt-in: on an H100
     (2026-12-06) it was a few µs faster at 128K and slower at 256K (BENCHMARKS.md)."""
-    return os.environ.get("MLX_QSA_SELECT_SPLIT_HEADS", "0") == "1"
+    return _launch.env_switch("MLX_QSA_SELECT_SPLIT_HEADS") == "1"
 
 
 def _check(fn: str, index_q, pooled, pos, block_topk: int, ratio: int, mode: str) -> None:
