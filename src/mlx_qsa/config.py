@@ -19,9 +19,22 @@ INDEXER_KEYS = (
 )
 
 
+def field_hash(self: Any) -> int:
+    """A frozen dataclass's hash of its fields, computed once per object. Configs, options and
+    compiled keys are hashed on every layer call (``lru_cache`` keys, table lookups); the
+    generated ``__hash__`` rebuilds the tuple of every field each time."""
+    h = self.__dict__.get("_field_hash")
+    if h is None:
+        h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        self.__dict__["_field_hash"] = h  # not a field: equality, repr and replace ignore it
+    return h
+
+
 @dataclass(frozen=True)
 class QSAConfig:
     """Geometry of one QSA layer. Defaults are Qwen3.8-Flash-Next's (QSA.md §2)."""
+
+    __hash__ = field_hash
 
     hidden_size: int = 2560
     num_attention_heads: int = 24
@@ -293,6 +306,8 @@ class QSAOptions:
     to 2049 when used (see `effective_prefill_min_context`). `tf32` records the process's
     `MLX_ENABLE_TF32`; it never changes a result.
     """
+
+    __hash__ = field_hash
 
     fused: bool = True
     compiled: bool = True

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
 
-from mlx_qsa.config import QSAOptions
+from mlx_qsa.config import QSAOptions, field_hash
 
 # ------------------------------------------------------------------------------------
 # Counters (§5.7)
@@ -139,6 +139,8 @@ def compiled_reservation(
 @dataclass(frozen=True)
 class Capabilities:
     """Accelerated routines a backend offers (RUNTIME §4). Routing reads only this."""
+
+    __hash__ = field_hash
 
     indexer_kernels: bool = True
     compiled_core: bool = True
@@ -532,12 +534,7 @@ class CompiledKey:
     prefill_score_producer: str
     selector_chunk_rows: int
 
-    def __hash__(self) -> int:  # the fields' hash, kept: the receipt hashes the key every call
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-            self.__dict__["_hash"] = h
-        return h
+    __hash__ = field_hash  # the receipt and the graph table hash the key on every call
 
     @property
     def rows(self) -> int:
