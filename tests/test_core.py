@@ -122,3 +122,13 @@ def _flat(tree, prefix=""):
             yield from _flat(v, f"{prefix}{k}.")
     else:
         yield prefix[:-1], tree
+
+
+def test_compile_disabled_reads_the_variable_as_mlx_does(set_switch) -> None:
+    from mlx_qsa.core import compile_disabled
+
+    set_switch("MLX_DISABLE_COMPILE", None)
+    assert not compile_disabled()
+    for value in ("1", "0", ""):  # MLX disables compilation when the variable is set at all
+        set_switch("MLX_DISABLE_COMPILE", value)
+        assert compile_disabled()

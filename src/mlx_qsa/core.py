@@ -12,7 +12,6 @@ compiled paths must produce identical bits).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ from .indexer import (
     select_rows,
     split_qk_rows,
 )
-from .kernels._launch import counter_slot
+from .kernels._launch import counter_slot, env_switch
 
 
 @dataclass
@@ -169,4 +168,6 @@ def _no_projection() -> mx.array:
 
 
 def compile_disabled() -> bool:
-    return os.environ.get("MLX_DISABLE_COMPILE", "") not in ("", "0")
+    """MLX_DISABLE_COMPILE as MLX 0.32 reads it (`mlx/compile.cpp`): once per process, and set
+    at all (any value, "0" too) disables compilation."""
+    return env_switch("MLX_DISABLE_COMPILE") is not None
