@@ -144,7 +144,7 @@ class Seen:
 
 @pytest.fixture(autouse=True)
 def _fresh_env_switches():
-    """The launchers read their MLX_QSA_* switches once per process (`env_switch`): no test
+    """Environment switches are read once per process (`env_switch`): no test
     sees a value cached under another test's environment."""
     env_switch.cache_clear()
     yield
@@ -153,7 +153,7 @@ def _fresh_env_switches():
 
 @pytest.fixture
 def set_switch(monkeypatch):
-    """set_switch(name, value): set (None: unset) an MLX_QSA_* switch for this test."""
+    """set_switch(name, value): set (None: unset) an environment switch for this test."""
 
     def set_(name: str, value: str | None) -> None:
         if value is None:

@@ -157,10 +157,11 @@ def one_launch_default(rows: int, d: int) -> bool:
 
 @functools.cache
 def env_switch(name: str) -> str | None:
-    """An ``MLX_QSA_*`` A/B switch, read once per process, as MLX reads its own variables: a
-    decode step calls the launchers' switches about four times, and each ``os.environ`` read
-    costs ~1 µs of host time per layer and step. A test that sets one calls
-    ``env_switch.cache_clear()`` (tests/conftest.py clears it after every test)."""
+    """An environment switch (the ``MLX_QSA_*`` A/B switches, ``MLX_DISABLE_COMPILE``), read
+    once per process, as MLX reads its own variables: a decode step reads them about five
+    times, and each ``os.environ`` read costs ~1 µs of host time per layer and step. A test
+    that sets one calls ``env_switch.cache_clear()`` (tests/conftest.py clears it after every
+    test)."""
     return os.environ.get(name)
 
 
