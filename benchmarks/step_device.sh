@@ -26,6 +26,7 @@
 # managed: benchmarks/managed_read_ab.py (small operands in MLX's managed memory against device
 #          memory), then its kernels under ncu
 # layerab: layer_profile.py (the whole layer step) of .old/src against this tree, interleaved
+# layerab8: the same at 128K in 8 rounds, summarised per round (benchmarks/ab_rounds.py)
 # graphsab: step_profile with MLX's CUDA graphs on and off (MLX_USE_CUDA_GRAPHS=1|0), interleaved
 # topksass: per-instruction warp-stall samples of the two-launch top-k alone at 128K, sampled
 #          at the shortest interval (--warp-sampling-interval 0: 2^5 cycles) so that one ~20 us CTA
@@ -200,6 +201,17 @@ for what in "$@"; do
           "$OUT/l.json" --contexts 8192,131072 2>&1 | grep '^T=' | tee -a "$OUT/layerab.log"
       done
       rm -f "$OUT/l.json" ;;
+    layerab8)  # 8 rounds of old / new at 128K, 1 row: the host drifts within a call, so the
+      # comparison is per round (each round's two processes run back to back)
+      for i in 1 2 3 4 5 6 7 8; do
+        for tree in .old/src src; do
+          PYTHONPATH="$PWD/$tree:$PYTHONPATH" timeout 60 python3 benchmarks/layer_profile.py \
+            "$OUT/l.json" --contexts 131072 2>&1 | grep '^T=' | sed "s|^|$i $tree |" \
+            | tee -a "$OUT/layerab8.log"
+        done
+      done
+      rm -f "$OUT/l.json"
+      python3 benchmarks/ab_rounds.py "$OUT/layerab8.log" | tee "$OUT/layerab8_summary.txt" ;;
     topkncu)
       MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 120 ncu --clock-control none --cache-control none \
         --profile-from-start off -k "regex:topk|partial|score" -c 3 --section SourceCounters \
