@@ -13,20 +13,22 @@ from __future__ import annotations
 import argparse
 
 import mlx.core as mx
-import numpy as np
+
+_outputs: dict = {}  # evaluated zeros by (shape, dtype), made once: graph leaves
 
 
 class _StandInKernel:
     def __init__(self, **_: object) -> None:
-        self.calls = 0
+        pass
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, **_: object) -> list[mx.array]:
-        outs = [
-            mx.array(np.zeros(s, dtype=np.float32)).astype(d) if d != mx.float32
-            else mx.array(np.zeros(s, dtype=np.float32))
-            for s, d in zip(output_shapes, output_dtypes, strict=True)
-        ]  # fmt: skip
-        mx.eval(outs)  # leaves, not primitives
+        outs = []
+        for shape, dtype in zip(output_shapes, output_dtypes, strict=True):
+            key = (tuple(shape), dtype)
+            if key not in _outputs:
+                _outputs[key] = mx.zeros(shape, dtype=dtype)
+                mx.eval(_outputs[key])
+            outs.append(_outputs[key])
         return mx.depends(outs, list(inputs))
 
 

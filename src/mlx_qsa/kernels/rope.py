@@ -7,6 +7,7 @@ same float32 products and one rounded add or subtract per channel, then the same
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 
@@ -68,10 +69,7 @@ def _plan(fn: str, x: mx.array, cos: mx.array, sin: mx.array, rotary_dim: int) -
         _launch.check_dtype(fn, name, t, (mx.float32,))
     kernel = _launch.build("rope.cu", "rope", ("x", "cos_t", "sin_t"), ("out",), ())
     shape, dtype = x.shape, x.dtype
-    size = 1
-    for s in shape:
-        size *= s
-    n_cta = max(1, min(_MAX_CTAS, -(-size // _NT)))
+    n_cta = max(1, min(_MAX_CTAS, -(-math.prod(shape) // _NT)))
     template = [("T", dtype), ("RD", rotary_dim)]
 
     def run(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
