@@ -3,7 +3,9 @@
 tree's median of build / eval / step and, per round, new minus old (the host's speed drifts
 over a call, so differences within a round are what compare like with like).
 
-    python3 benchmarks/ab_rounds.py layerab8.log
+    python3 benchmarks/ab_rounds.py layerab8.log [OLD NEW]
+
+OLD and NEW name the two trees (default: `.old/src` and `src`, else the two in sorted order).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ def main() -> None:
         print(f"{tree}: {len(rows)} rounds, median build {med[0]:.0f} / eval {med[1]:.0f} / "
               f"step {med[2]:.0f} us")  # fmt: skip
     if len(trees) == 2:
-        old, new = (".old/src", "src") if ".old/src" in trees else trees
+        if len(sys.argv) == 4:
+            old, new = sys.argv[2], sys.argv[3]
+        else:
+            old, new = (".old/src", "src") if ".old/src" in trees else trees
         diffs = [r[new][2] - r[old][2] for r in rounds.values() if old in r and new in r]
         if diffs:
             print(f"step {new} - {old} per round (us): {', '.join(f'{d:+.0f}' for d in diffs)}; "

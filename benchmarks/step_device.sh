@@ -37,6 +37,9 @@ OUT="${OUT:-/tmp/qsa-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/${QSA_SRC:-src}${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+# the trees an A/B step compares (OLD_SRC=.old/x/src picks another carried tree)
+OLD="${OLD_SRC:-.old/src}"
+NEW="${NEW_SRC:-src}"
 date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$OUT/when.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 rc=0
@@ -87,14 +90,14 @@ for what in "$@"; do
           | tee -a "$OUT/select.log"
       done ;;
     ab)
-      for tree in .old/src src .old/src src; do
+      for tree in "$OLD" "$NEW" "$OLD" "$NEW"; do
         echo "== $tree" | tee -a "$OUT/ab.log"
         PYTHONPATH="$PWD/$tree:$PYTHONPATH" timeout 100 python3 benchmarks/step_profile.py \
           "$OUT/ab_$(echo $tree | tr / _).json" --contexts 8192,131072 2>&1 | grep '^T=' \
           | tee -a "$OUT/ab.log"
       done ;;
     ab2)  # one pass each, rows 1 and 4, fewer sets
-      for tree in .old/src src; do
+      for tree in "$OLD" "$NEW"; do
         echo "== $tree" | tee -a "$OUT/ab.log"
         PYTHONPATH="$PWD/$tree:$PYTHONPATH" timeout 100 python3 benchmarks/step_profile.py \
           "$OUT/ab2_$(echo $tree | tr / _).json" --contexts 8192,131072 --rows 1,4 --sets 4 \
@@ -175,7 +178,7 @@ for what in "$@"; do
       done
       rm -f "$OUT/p.json" ;;
     kab)
-      for tree in .old/src src .old/src src; do
+      for tree in "$OLD" "$NEW" "$OLD" "$NEW"; do
         for ol in 1 0; do
           PYTHONPATH="$PWD/$tree:$PYTHONPATH" MLX_QSA_ONE_LAUNCH=$ol MLX_QSA_SELECT_ONE_LAUNCH=$ol \
             timeout 100 ncu --clock-control none --cache-control none --profile-from-start off \
@@ -195,7 +198,7 @@ for what in "$@"; do
       python3 benchmarks/managed_read_ab.py --ncu-report "$OUT/ncu_managed.csv" \
         | tee -a "$OUT/managed.log" ;;
     layerab)
-      for tree in .old/src src .old/src src; do
+      for tree in "$OLD" "$NEW" "$OLD" "$NEW"; do
         echo "== $tree" | tee -a "$OUT/layerab.log"
         PYTHONPATH="$PWD/$tree:$PYTHONPATH" timeout 150 python3 benchmarks/layer_profile.py \
           "$OUT/l.json" --contexts 8192,131072 2>&1 | grep '^T=' | tee -a "$OUT/layerab.log"
@@ -204,14 +207,14 @@ for what in "$@"; do
     layerab8)  # 8 rounds of old / new at 128K, 1 row: the host drifts within a call, so the
       # comparison is per round (each round's two processes run back to back)
       for i in 1 2 3 4 5 6 7 8; do
-        for tree in .old/src src; do
+        for tree in "$OLD" "$NEW"; do
           PYTHONPATH="$PWD/$tree:$PYTHONPATH" timeout 60 python3 benchmarks/layer_profile.py \
             "$OUT/l.json" --contexts 131072 2>&1 | grep '^T=' | sed "s|^|$i $tree |" \
             | tee -a "$OUT/layerab8.log"
         done
       done
       rm -f "$OUT/l.json"
-      python3 benchmarks/ab_rounds.py "$OUT/layerab8.log" | tee "$OUT/layerab8_summary.txt" ;;
+      python3 benchmarks/ab_rounds.py "$OUT/layerab8.log" "$OLD" "$NEW" | tee "$OUT/layerab8_summary.txt" ;;
     topkncu)
       MLX_QSA_ONE_LAUNCH=0 MLX_QSA_SELECT_ONE_LAUNCH=0 timeout 120 ncu --clock-control none --cache-control none \
         --profile-from-start off -k "regex:topk|partial|score" -c 3 --section SourceCounters \
