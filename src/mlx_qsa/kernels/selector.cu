@@ -212,10 +212,10 @@ if (tid < RATIO) {
   sv_row[K * RATIO + tid] = ok;
 }
 #endif
-auto emit = [&](int i, int blk) {
+auto emit_scored = [&](int i, int blk, float score) {
   ids_row[i] = blk;
   valid_row[i] = true;
-  sc_row[i] = __ldcg(adj_row + blk);
+  sc_row[i] = score;
 #ifdef QSA_ROW_TOKENS
 #pragma unroll
   for (int r = 0; r < RATIO; ++r) {
@@ -224,6 +224,7 @@ auto emit = [&](int i, int blk) {
   }
 #endif
 };
+auto emit = [&](int i, int blk) { emit_scored(i, blk, __ldcg(adj_row + blk)); };
 auto emit_empty = [&](int i) {
   ids_row[i] = 0;
   valid_row[i] = false;
@@ -352,7 +353,11 @@ if (r1.k_rem != r1.n_eq) {
   idmax = ~t2;
 }
 
-// 4. Mark the selection in a bitmap, then write it out in ascending id order.
+// 4. Mark the selection in a bitmap, then write it out in ascending id order: each selected
+// candidate writes its own slot (its rank among the selected ids: its word owner's offset plus
+// the set bits below it) with its score from its key (key_float inverts ord_key bit for bit).
+// Walking the bitmap instead, a thread wrote its selected blocks one after another, each store
+// waiting on a global load of the block's score (the top-k's most sampled stall, H100 128K).
 if (in_smem) {
   for (int i = tid; i < ncand; i += NT) {
     const unsigned key = cand_key[i];
@@ -373,13 +378,29 @@ int cnt = 0;
 for (int w = w0; w < w1; ++w) cnt += __popc(bitmap[w]);
 int total = 0;
 int off = qsa::block_excl_scan<NT>(cnt, scan_buf, &total);
-for (int w = w0; w < w1; ++w) {
-  unsigned bits = bitmap[w];
-  while (bits != 0u) {
-    const int bit = __ffs(bits) - 1;
-    bits &= bits - 1u;
-    if (off < K) emit(off, w * 32 + bit);
-    ++off;
+if (in_smem) {
+  static_assert(NT <= 512, "the word owners' offsets reuse the 512-word histogram");
+  unsigned* owner_off = hist;  // free once the selects are done
+  owner_off[tid] = (unsigned)off;
+  __syncthreads();
+  for (int i = tid; i < ncand; i += NT) {
+    const unsigned key = cand_key[i];
+    const int id = cand_id[i];
+    if (key < t || (key == t && (unsigned)id > idmax)) continue;
+    const int w = id >> 5, owner = w / wpt;
+    int slot = (int)owner_off[owner] + __popc(bitmap[w] & ((1u << (id & 31)) - 1u));
+    for (int v = owner * wpt; v < w; ++v) slot += __popc(bitmap[v]);
+    if (slot < K) emit_scored(slot, id, qsa::key_float(key));
+  }
+} else {
+  for (int w = w0; w < w1; ++w) {
+    unsigned bits = bitmap[w];
+    while (bits != 0u) {
+      const int bit = __ffs(bits) - 1;
+      bits &= bits - 1u;
+      if (off < K) emit(off, w * 32 + bit);
+      ++off;
+    }
   }
 }
 for (int i = total + tid; i < K; i += NT) emit_empty(i);  // never taken when the select is exact
