@@ -46,6 +46,10 @@ CONFIGS += [(t, w, g, "tma") for t, w in TMA_TILES for g in (0, 8)]
 # tile rows half below M.
 MC_TILES = (((128, 256, 64), 8), ((256, 128, 64), 8), ((192, 192, 64), 8), ((128, 128, 64), 4))
 CONFIGS += [(t, w, g, "tma_mc") for t, w in MC_TILES for g in (0, 8)]
+# The TMA-store epilogue (64-column boxes, so TN a multiple of 64): M = 37, 131 and 333 and
+# N = 136, 264 and 520 leave boxes partly outside y, which the TMA unit must clip.
+ST_TILES = (((128, 256, 64), 8), ((192, 192, 64), 8), ((128, 128, 64), 4), ((64, 256, 64), 4))
+CONFIGS += [(t, w, g, "tma_st") for t, w in ST_TILES for g in (0, 8)]
 
 # (M, N, K): one row; M, N and K off every tile; a partial walk_m group; K = D of the model.
 SHAPES = [(1, 64, 64), (37, 136, 200), (333, 520, 576), (131, 264, 2560)]
@@ -119,6 +123,13 @@ def test_tma_gemm_is_deterministic_and_independent_of_walk():
     # Multicast changes where W's rows come from, not the arithmetic.
     mc = gemm_bias(x, w, b, tile=(128, 256, 64), warps=8, walk_m=8, family="tma_mc")
     assert mx.array_equal(mc, ys[0]).item()
+    # The TMA store moves the same bf16 values; only the path to y differs.
+    for g in (0, 8):
+        st = gemm_bias(x, w, b, tile=(128, 256, 64), warps=8, walk_m=g, family="tma_st")
+        assert mx.array_equal(st, ys[0]).item()
+    wide = gemm_bias(x, w, b, tile=(192, 192, 64), warps=8, walk_m=8, family="tma")
+    wide_st = gemm_bias(x, w, b, tile=(192, 192, 64), warps=8, walk_m=8, family="tma_st")
+    assert mx.array_equal(wide_st, wide).item()
 
 
 @needs_cuda

@@ -11,7 +11,7 @@ import pytest
 
 from mlx_qsa import sweep
 from mlx_qsa.cli import main
-from mlx_qsa.kernels.gemm import MAX_DYNAMIC_SMEM, plan_gemm, tile_coords
+from mlx_qsa.kernels.gemm import MAX_DYNAMIC_SMEM, kernel_text, plan_gemm, tile_coords
 
 FIXTURE = Path(__file__).parent / "data" / "qkv_tile_sweep_m5pro.json"
 
@@ -305,9 +305,32 @@ def test_tma_multicast_plans():
     assert plan_gemm((192, 192, 64), 8, family="tma_mc").consumer_regs == 232
 
 
-def test_tma_kernel_has_launch_bounds():
-    from mlx_qsa.kernels.gemm import kernel_text
+def test_tma_store_plans():
+    st = plan_gemm((192, 192, 64), 8, 16, family="tma_st")
+    assert (st.family, st.tma_store, st.cluster, st.threads) == ("tma_st", True, 1, 384)
+    assert ("TMA_STORE", 1) in st.template() and "_st" in st.label
+    assert ("TMA_STORE", 0) in plan_gemm((192, 192, 64), 8, family="tma").template()
+    # The [192, 192] bf16 staging tile (72 KiB) sits behind the ring: 3 stages of 48 KiB fit in
+    # 227 KiB where 4 fit without it.
+    assert st.staging_bytes == 192 * 192 * 2 and st.maps == 3
+    assert st.stages == 3 and plan_gemm((192, 192, 64), 8, family="tma").stages == 4
+    assert st.shared_memory == 3 * 49152 + 192 * 192 * 2 + 1024 + 3 * 128 + 2 * 8 * 8
+    assert st.shared_memory <= 232_448
+    assert plan_gemm((128, 128, 64), 4, family="tma_st").stages == 6  # 32 KiB staging
+    plain = plan_gemm((128, 256, 64), 8, family="tma")
+    assert (plain.tma_store, plain.staging_bytes, plain.maps) == (False, 0, 2)
+    assert plan_gemm((128, 256, 64), 8).maps == 0
+    # Same register rule as the other TMA families.
+    assert st.consumer_regs == 232
+    with pytest.raises(NotImplementedError, match="multiple of 64"):
+        plan_gemm((128, 96, 64), 4, family="tma_st")
+    with pytest.raises(NotImplementedError, match="stages"):
+        plan_gemm((192, 192, 64), 8, family="tma_st", stages=4)
+    header, body = kernel_text(st)
+    assert "TMA_STORE" in body and header.rstrip().endswith("__launch_bounds__(384, 1)")
 
+
+def test_tma_kernel_has_launch_bounds():
     header, body = kernel_text(plan_gemm((192, 192, 64), 8, 8, family="tma"))
     # The redefinition closes the header, right before MLX writes `__global__ void <name>(`.
     last = header.rstrip().splitlines()[-1]

@@ -253,14 +253,20 @@ __device__ __forceinline__ void qsa_mma_16816(float (&c)[4], const unsigned (&a)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// bf16(acc + bias) for one accumulator pair: the rounding of every epilogue.
+__device__ __forceinline__ __nv_bfloat162 qsa_bias_pair(__nv_bfloat162 bias, float v0, float v1) {
+  __nv_bfloat162 out;
+  out.x = __float2bfloat16_rn(v0 + __bfloat162float(bias.x));
+  out.y = __float2bfloat16_rn(v1 + __bfloat162float(bias.y));
+  return out;
+}
+
 // Epilogue for one accumulator pair: y[row, col:col+2] = bf16(acc + bias).
 __device__ __forceinline__ void qsa_store_pair(__nv_bfloat16* y, __nv_bfloat162 bias, int M,
                                                int N, int row, int col, float v0, float v1) {
   if (row < M && col < N) {
-    __nv_bfloat162 out;
-    out.x = __float2bfloat16_rn(v0 + __bfloat162float(bias.x));
-    out.y = __float2bfloat16_rn(v1 + __bfloat162float(bias.y));
-    *reinterpret_cast<__nv_bfloat162*>(y + static_cast<long long>(row) * N + col) = out;
+    *reinterpret_cast<__nv_bfloat162*>(y + static_cast<long long>(row) * N + col) =
+        qsa_bias_pair(bias, v0, v1);
   }
 }
 
@@ -324,6 +330,45 @@ __device__ __forceinline__ void qsa_store_wgmma_acc(__nv_bfloat16* y, const __nv
         const int col = col0 + j * 8 + 2 * (lane & 3);
         qsa_store_pair(y, bias[jj], M, N, row, col, acc[i][4 * j], acc[i][4 * j + 1]);
         qsa_store_pair(y, bias[jj], M, N, row + 8, col, acc[i][4 * j + 2], acc[i][4 * j + 3]);
+      }
+    }
+  }
+}
+
+// The TMA-store epilogue's half: a warp's share of m64nN accumulators, plus bias, as bf16 pairs
+// into the block's staging tile in shared memory. The tile is TN/64 boxes of [TM rows x 128
+// bytes] with the 128-byte swizzle (the layout the store's tensor map reads); the eight rows of
+// one store instruction land in eight different 16-byte chunks, so its 32 lanes hit 32 banks.
+// row0, lcol0: the warp's first row and column inside the tile; gcol0: that column in y (bias).
+// Rows and columns past M and N are staged too; the TMA store clips them.
+template <int MI, int NN, int TM>
+__device__ __forceinline__ void qsa_stage_wgmma_acc(unsigned c_base, const __nv_bfloat16* b,
+                                                    int N, int row0, int lcol0, int gcol0,
+                                                    int lane, float (&acc)[MI][NN / 2]) {
+  constexpr int J = NN / 8;
+  constexpr int CHUNK = J % 8 == 0 ? 8 : J % 6 == 0 ? 6 : J % 4 == 0 ? 4 : J;
+#pragma unroll
+  for (int jc = 0; jc < J; jc += CHUNK) {
+    __nv_bfloat162 bias[CHUNK];
+    qsa_load_bias(bias, b, N, gcol0 + jc * 8, lane);
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+      for (int jj = 0; jj < CHUNK; ++jj) {
+        const int j = jc + jj;
+        const int col = lcol0 + j * 8 + 2 * (lane & 3);
+        const unsigned box = c_base + static_cast<unsigned>((col >> 6) * (TM * 128));
+        const int chunk = (col & 63) >> 3;
+        const unsigned within = static_cast<unsigned>((col & 7) * 2);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + i * 64 + 8 * h;
+          const __nv_bfloat162 v = qsa_bias_pair(bias[jj], acc[i][4 * j + 2 * h],
+                                                 acc[i][4 * j + 2 * h + 1]);
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(box + qsa_swz(row, chunk) + within),
+                       "r"(*reinterpret_cast<const unsigned*>(&v))
+                       : "memory");
+        }
       }
     }
   }
@@ -549,9 +594,10 @@ __device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bflo
 // most one block per SM and each block walks tiles blockIdx.x, +gridDim.x, ... in the
 // rasterisation of SWEEP.md §4, so the producer already loads the next tile while the consumers
 // run the epilogue. The TMA unit reads tensor maps from global memory: the host encodes one
-// template per operand (`tmaps`, 2 x 128 bytes: x then W, at a placeholder address); the
-// producer warp copies each into shared memory, points it at the real operand with
-// tensormap.replace and publishes it to this block's 256-byte slot of `scratch`. The launcher
+// template per operand (`tmaps`, 128 bytes each: x, W, and y for the TMA store, at a placeholder
+// address); the producer warp copies each into shared memory, points it at the real operand
+// with tensormap.replace and publishes it to this block's slot of `scratch` (128 bytes a map).
+// The launcher
 // puts launch bounds on the kernel (gemm.py, launch_bounds_header), so NVRTC keeps every warp
 // within its share of the register file.
 
@@ -651,6 +697,36 @@ __device__ __forceinline__ void qsa_cluster_sync() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
+// Box {64 columns, rows} of shared `src` to y at element coordinates (c0 = column, c1 = row);
+// the TMA unit skips elements outside the matrix. Joins this thread's current bulk group.
+__device__ __forceinline__ void qsa_tma_store_2d(const void* tmap, unsigned src, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(tmap),
+      "r"(src), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ void qsa_bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+// This thread's bulk groups have finished reading their shared memory (READ_ONLY) or have
+// completed their writes too.
+template <bool READ_ONLY>
+__device__ __forceinline__ void qsa_bulk_wait_all() {
+  if constexpr (READ_ONLY) {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  }
+}
+
+// Barrier 1 among the THREADS consumer threads only (the producer warps never reach it).
+template <int THREADS>
+__device__ __forceinline__ void qsa_consumer_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
+}
+
 // One full warp: template (global, 16 x u64) -> shared copy -> global address replaced ->
 // published to `slot` (global, 128-byte aligned) and acquired for this thread's TMA loads.
 __device__ __forceinline__ void qsa_tmap_publish(const unsigned long long* tmpl,
@@ -685,8 +761,14 @@ __device__ __forceinline__ void qsa_tmap_publish(const unsigned long long* tmpl,
 // W tile, multicast into both CTAs, so W crosses L2 once per pair. A stage is refilled only once
 // the consumers of both CTAs have released it (each consumer warp arrives on both CTAs' empty
 // barriers), and neither CTA exits while the other may still arrive on its barriers.
+// TMA_STORE = 1 (family "tma_st", CLUSTER = 1): the consumers stage each finished tile (plus
+// bias, as bf16) in shared memory behind the ring and one thread hands it to the TMA unit as
+// TN/64 box stores through a third tensor map (y's), then the warpgroups go straight on to the
+// next tile's k-slices while the store drains; the staging tile is rewritten only after that
+// thread's previous store has finished reading it. TMA_STORE = 0 stores from the accumulator
+// registers to y directly (pairs of bf16 per thread).
 template <int TM, int TN, int TK, int WARPS, int WALK_M, int STAGES, int LAYOUT_M,
-          int PRODUCER_REGS, int CONSUMER_REGS, int CLUSTER>
+          int PRODUCER_REGS, int CONSUMER_REGS, int CLUSTER, int TMA_STORE>
 __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_bfloat16* w,
                                              const __nv_bfloat16* b,
                                              const unsigned long long* tmaps, __nv_bfloat16* y,
@@ -702,15 +784,20 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   static_assert(TM <= 256 && TN <= 256, "a TMA box spans at most 256 rows");
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && (TN / 2) % 8 == 0), "pairs split W by 8 rows");
   constexpr int B_ROWS = TN / CLUSTER;  // W rows this CTA loads per stage
+  static_assert(TMA_STORE == 0 || (CLUSTER == 1 && TN % 64 == 0), "tma_st: one CTA, 64-col boxes");
+  constexpr int NMAPS = TMA_STORE ? 3 : 2;  // x, W (and y)
+  constexpr int C_BYTES = TMA_STORE ? TM * TN * 2 : 0;
 
   extern __shared__ unsigned char qsa_smem[];
   const unsigned raw = qsa_smem_u32(qsa_smem);
   const unsigned smem0 = (raw + 1023u) & ~1023u;
-  // After the ring: two 128-byte tensor maps, then full[STAGES] and empty[STAGES].
-  const unsigned maps_u32 = smem0 + static_cast<unsigned>(STAGES * STAGE_BYTES);
+  // After the ring: the staging tile (TMA_STORE), NMAPS 128-byte tensor maps, then full[STAGES]
+  // and empty[STAGES]. The staging tile's boxes start 1024-byte aligned, as the swizzle needs.
+  const unsigned c_base = smem0 + static_cast<unsigned>(STAGES * STAGE_BYTES);
+  const unsigned maps_u32 = c_base + static_cast<unsigned>(C_BYTES);
   unsigned long long* maps_s =
       reinterpret_cast<unsigned long long*>(qsa_smem + (maps_u32 - raw));
-  const unsigned full0 = maps_u32 + 256u;
+  const unsigned full0 = maps_u32 + 128u * NMAPS;
   const unsigned empty0 = full0 + 8u * STAGES;
 
   const int tid = threadIdx.x;
@@ -745,10 +832,13 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
 
   unsigned long long* slot = reinterpret_cast<unsigned long long*>(
       ((reinterpret_cast<unsigned long long>(scratch) + 127ull) & ~127ull) +
-      256ull * blockIdx.x);
+      128ull * NMAPS * blockIdx.x);
   if (warp == WARPS) {
     qsa_tmap_publish(tmaps, maps_s, slot, x, lane);
     qsa_tmap_publish(tmaps + 16, maps_s + 16, slot + 16, w, lane);
+    if constexpr (TMA_STORE) {
+      qsa_tmap_publish(tmaps + 32, maps_s + 32, slot + 32, y, lane);
+    }
     if (lane == 0) {
       for (int s = 0; s < STAGES; ++s) {
         qsa_mbar_init(full0 + 8u * s, 1);
@@ -827,6 +917,13 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   const int wg_m = wg % LAYOUT_M;
   const int wg_n = wg / LAYOUT_M;
   const int wq = warp & 3;
+  const void* map_y = slot + 32;
+  if constexpr (TMA_STORE) {
+    if (tid == 0) {  // the one thread that issues the stores acquires y's published map
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map_y)
+                   : "memory");
+    }
+  }
   int s = 0;
   unsigned phase = 0;
   float acc[MI][WG_TN / 2];
@@ -868,8 +965,34 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
         qsa_reg_fence(acc[i][j]);
       }
     }
-    qsa_store_wgmma_acc<MI, WG_TN>(y, b, M, N, m0 + wg_m * WG_TM + wq * 16 + (lane >> 2),
-                                   n0 + wg_n * WG_TN, lane, acc);
+    if constexpr (TMA_STORE) {
+      if (tid == 0) {
+        qsa_bulk_wait_all<true>();  // the previous tile's store has read the staging tile
+      }
+      qsa_consumer_sync<WARPS * 32>();
+      qsa_stage_wgmma_acc<MI, WG_TN, TM>(c_base, b, N, wg_m * WG_TM + wq * 16 + (lane >> 2),
+                                         wg_n * WG_TN, n0 + wg_n * WG_TN, lane, acc);
+      qsa_fence_proxy_async();  // the staged tile, written by the generic proxy, for the TMA unit
+      qsa_consumer_sync<WARPS * 32>();
+      if (tid == 0) {
+#pragma unroll
+        for (int box = 0; box < TN / 64; ++box) {
+          if (n0 + box * 64 < N) {
+            qsa_tma_store_2d(map_y, c_base + static_cast<unsigned>(box * TM * 128), n0 + box * 64,
+                             m0);
+          }
+        }
+        qsa_bulk_commit();
+      }
+    } else {
+      qsa_store_wgmma_acc<MI, WG_TN>(y, b, M, N, m0 + wg_m * WG_TM + wq * 16 + (lane >> 2),
+                                     n0 + wg_n * WG_TN, lane, acc);
+    }
+  }
+  if constexpr (TMA_STORE) {
+    if (tid == 0) {
+      qsa_bulk_wait_all<false>();  // the block's shared memory outlives its last store
+    }
   }
   if constexpr (CLUSTER == 2) {
     qsa_cluster_sync();  // the other CTA's last arrivals on this CTA's barriers have landed
@@ -881,6 +1004,6 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
                                                               x_shape[1]);
 //// BODY tma ////
   qsa_gemm_tma<TM, TN, TK, WARPS, WALK_M, STAGES, LAYOUT_M, PRODUCER_REGS, CONSUMER_REGS,
-               CLUSTER>(
+               CLUSTER, TMA_STORE>(
       x, w, b, reinterpret_cast<const unsigned long long*>(tmaps), y,
       reinterpret_cast<unsigned char*>(scratch), x_shape[0], w_shape[0], x_shape[1]);

@@ -7,7 +7,9 @@ Tiles whose warps form whole warpgroups run on `wgmma` (sm_90a); the others run 
 `mma.sync` m16n8k16. Both read a cp.async ring of 128-byte-swizzled shared-memory stages.
 Family `tma` is the Hopper design: a persistent grid (one block per SM), one producer warp
 feeding TMA tile loads through mbarriers to `warps` consumer warps on wgmma (gemm.cu); family
-`tma_mc` runs it in clusters of two blocks that share each W tile by TMA multicast.
+`tma_mc` runs it in clusters of two blocks that share each W tile by TMA multicast; family
+`tma_st` stages each finished tile in shared memory and writes it with TMA stores, so the
+consumers start the next tile while the store drains.
 
 `plan_gemm` and `tile_coords` are pure; MLX is imported only where arrays are made, so that
 `mlx_qsa.sweep` can set MLX's precision variables before MLX loads.
@@ -34,7 +36,15 @@ MAX_DYNAMIC_SMEM = 232_448  # bytes per block on sm_90 (227 KiB)
 SMEM_ALIGN_PAD = 1024  # the swizzled stages start on a 1024-byte boundary
 MAX_STAGES = 4
 MAX_STAGES_TMA = 8
-TMA_SMEM_EXTRA = 2 * 128 + 2 * 8 * MAX_STAGES_TMA  # two tensor maps, full/empty barriers
+TMA_MAP_BYTES = 128
+TMA_BARRIER_BYTES = 2 * 8 * MAX_STAGES_TMA  # full/empty barriers
+
+
+def _tma_extra(maps: int, staging: int) -> int:
+    """Shared memory beside the TMA ring: the staging tile, the tensor maps, the barriers."""
+    return staging + maps * TMA_MAP_BYTES + TMA_BARRIER_BYTES
+
+
 TMA_MAX_BOX_ROWS = 256
 MAX_ACC_REGS = 128  # fp32 accumulators per thread
 # Registers are split between an SM's four sub-partitions (16K each; warp w runs on w % 4), so
@@ -50,7 +60,8 @@ SUBPARTITION_REGS = 16384
 ACC_OVERHEAD_REGS = 40
 WGMMA_N = (64, 128, 256)  # warpgroup N extents of the cp.async wgmma family
 TMA_WGMMA_N = (64, 96, 128, 192, 256)  # and of the TMA family (every wrapper in gemm.cu)
-FAMILIES = ("auto", "wgmma", "mma", "tma", "tma_mc")
+FAMILIES = ("auto", "wgmma", "mma", "tma", "tma_mc", "tma_st")
+HOPPER_FAMILIES = ("wgmma", "tma", "tma_mc", "tma_st")
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,7 @@ class GemmPlan:
     # (setmaxnreg) so that each consumer thread gets this many.
     consumer_regs: int = 0
     cluster: int = 1  # TMA family: CTAs per cluster; 2 = pairs sharing W tiles by multicast
+    tma_store: bool = False  # TMA family: the epilogue stages the tile and stores it by TMA
 
     @property
     def producer_warps(self) -> int:
@@ -86,14 +98,24 @@ class GemmPlan:
         return (tm + tn) * tk * 2
 
     @property
+    def staging_bytes(self) -> int:
+        """The TMA store's staging tile [TM, TN] bf16 behind the ring (0 without it)."""
+        return self.tile[0] * self.tile[1] * 2 if self.tma_store else 0
+
+    @property
+    def maps(self) -> int:
+        """Tensor maps the kernel publishes per block: x, W (and y for the TMA store)."""
+        return (3 if self.tma_store else 2) if self.tma else 0
+
+    @property
     def shared_memory(self) -> int:
-        extra = TMA_SMEM_EXTRA if self.tma else 0
+        extra = _tma_extra(self.maps, self.staging_bytes) if self.tma else 0
         return self.stages * self.stage_bytes + SMEM_ALIGN_PAD + extra
 
     @property
     def family(self) -> str:
         if self.tma:
-            return "tma_mc" if self.cluster > 1 else "tma"
+            return "tma_mc" if self.cluster > 1 else "tma_st" if self.tma_store else "tma"
         return "wgmma" if self.wgmma else "mma"
 
     @property
@@ -102,6 +124,8 @@ class GemmPlan:
         kind = f"{'tma' if self.tma else self.family}{self.layout_m}"
         if self.cluster > 1:
             kind += f"_c{self.cluster}"
+        if self.tma_store:
+            kind += "_st"
         if self.consumer_regs:
             kind += f"_r{self.consumer_regs}"
         return f"{tm}x{tn}x{tk}_w{self.warps}_g{self.walk_m}_s{self.stages}_{kind}"
@@ -118,6 +142,7 @@ class GemmPlan:
                 ("PRODUCER_REGS", PRODUCER_REGS),
                 ("CONSUMER_REGS", self.consumer_regs),
                 ("CLUSTER", self.cluster),
+                ("TMA_STORE", int(self.tma_store)),
             ]
         return names
 
@@ -215,8 +240,17 @@ def plan_gemm(
         raise ValueError(f"plan_gemm(family): expected one of {FAMILIES}, got {family!r}")
     if tk % 64:
         raise ValueError(f"plan_gemm(tile): TK must be a multiple of 64 (swizzle atom), got {tk}")
-    if family in ("tma", "tma_mc"):
-        return _plan_tma(tm, tn, tk, warps, walk_m, stages, cluster=2 if family == "tma_mc" else 1)
+    if family in ("tma", "tma_mc", "tma_st"):
+        return _plan_tma(
+            tm,
+            tn,
+            tk,
+            warps,
+            walk_m,
+            stages,
+            cluster=2 if family == "tma_mc" else 1,
+            tma_store=family == "tma_st",
+        )
     threads = 32 * warps
     # gemm.cu's loader: each thread keeps one 16-byte column chunk, rows threads/chunks apart.
     chunks = tk // 8
@@ -274,8 +308,20 @@ def _stages(
 
 
 def _plan_tma(
-    tm: int, tn: int, tk: int, warps: int, walk_m: int, stages: int | None, cluster: int = 1
+    tm: int,
+    tn: int,
+    tk: int,
+    warps: int,
+    walk_m: int,
+    stages: int | None,
+    cluster: int = 1,
+    tma_store: bool = False,
 ) -> GemmPlan:
+    if tma_store and tn % 64:
+        raise NotImplementedError(
+            f"tile {[tm, tn, tk]}: the tma_st family stores 64-column boxes; TN must be a "
+            f"multiple of 64"
+        )
     layout = _wgmma_layout(tm, tn, warps, TMA_MAX_ACC_REGS, TMA_WGMMA_N)
     if layout is None:
         raise NotImplementedError(
@@ -292,7 +338,14 @@ def _plan_tma(
             f"stages, got {stages}"
         )
     # One stage on the tensor cores and one loading: fewer than two stages cannot overlap.
-    ring = _stages((tm, tn, tk), stages, least=2, default_cap=MAX_STAGES_TMA, extra=TMA_SMEM_EXTRA)
+    staging = tm * tn * 2 if tma_store else 0
+    ring = _stages(
+        (tm, tn, tk),
+        stages,
+        least=2,
+        default_cap=MAX_STAGES_TMA,
+        extra=_tma_extra(3 if tma_store else 2, staging),
+    )
     groups = warps // 4
     acc = (tm // layout // 64) * (tn // (groups // layout) // 2)
     need = acc + ACC_OVERHEAD_REGS
@@ -319,6 +372,7 @@ def _plan_tma(
         tma=True,
         consumer_regs=consumer_regs,
         cluster=cluster,
+        tma_store=tma_store,
     )
 
 
@@ -389,14 +443,17 @@ def _kernel(plan: GemmPlan):
 
 
 @functools.cache
-def _tensor_maps(m: int, n: int, k: int, box_m: int, box_n: int):
-    """x's and W's tensor-map templates as one uint64 array [32] (gemm.cu reads x's first)."""
+def _tensor_maps(m: int, n: int, k: int, box_m: int, box_n: int, store: bool = False):
+    """x's and W's tensor-map templates (and, with `store`, y's: boxes of 64 columns x `box_m`
+    rows) as one uint64 array [32] or [48], in the order gemm.cu reads them."""
     import mlx.core as mx
     import numpy as np
 
     from mlx_qsa.kernels import tensormap
 
     raw = tensormap.encode_bf16_rows(m, k, box_m) + tensormap.encode_bf16_rows(n, k, box_n)
+    if store:
+        raw += tensormap.encode_bf16_rows(m, n, box_m)
     return mx.array(np.frombuffer(raw, dtype=np.uint64).copy())
 
 
@@ -457,10 +514,15 @@ def gemm_bias(
         blocks = plan.blocks(m, n, device.sm_count())
         tm, tn, _ = plan.tile
         y, _ = _kernel(plan)(
-            inputs=[x, w, b, _tensor_maps(m, n, x.shape[1], tm, tn // plan.cluster)],
-            # Each block publishes its two tensor maps into its 256 bytes of `scratch`
+            inputs=[
+                x,
+                w,
+                b,
+                _tensor_maps(m, n, x.shape[1], tm, tn // plan.cluster, plan.tma_store),
+            ],
+            # Each block publishes its tensor maps into its slot of `scratch`, 128 bytes a map
             # (+128 bytes so the kernel can align the slots).
-            output_shapes=[(m, n), (256 * blocks + 128,)],
+            output_shapes=[(m, n), (TMA_MAP_BYTES * plan.maps * blocks + 128,)],
             output_dtypes=[mx.bfloat16, mx.uint8],
             grid=(blocks * threads, 1, 1),
             threadgroup=(threads, 1, 1),
@@ -486,7 +548,7 @@ def gemm_bias(
 def family_for_device(family: str, limits: DeviceLimits | None) -> str:
     """The family to plan on a GPU with `limits` (None: unchecked).
 
-    `wgmma`, `tma` and `tma_mc` are Hopper code (sm_90a): elsewhere they raise, and `auto`
+    `wgmma`, `tma`, `tma_mc` and `tma_st` are Hopper code (sm_90a): elsewhere they raise, and `auto`
     means `mma` (mma.sync, sm_80 and newer).
     """
     from mlx_qsa.kernels import device
@@ -499,7 +561,7 @@ def family_for_device(family: str, limits: DeviceLimits | None) -> str:
         return family
     if family == "auto":
         return "mma"
-    if family in ("wgmma", "tma", "tma_mc"):
+    if family in HOPPER_FAMILIES:
         raise NotImplementedError(f"gemm_bias(family={family!r}): {why}; family 'mma' runs here")
     return family
 
