@@ -3,8 +3,9 @@
 # (family tma), on the lent GPU after MLX's CUDA build is staged:
 #   source .device/part-b/activate.sh && bash benchmarks/gemm_st_device.sh tests ncu sweeps ops
 # tests:  the tma_st configurations of tests/test_gemm_cuda.py and the bit-equality test
+#         (TESTS_K overrides the -k expression)
 # ncu:    kernel times (Nsight Compute, clocks not locked) of mx.addmm and both families at the
-#         two best tiles, 5 calls each after a warm-up call
+#         two best tiles, 5 calls each after a warm-up call (NCU_CONFIGS overrides the list)
 # sweeps: attn.qkv_proj sweeps of both families, interleaved twice (tma, tma_st, tma, tma_st),
 #         with --steady 20x7 (each sweep measures its own mx.addmm baseline)
 # ops:    attn.o_proj and indexer.qk_proj, both families once
@@ -16,6 +17,8 @@ export PYTHONUNBUFFERED=1
 export MLX_PTX_CACHE_DIR="${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}"
 mkdir -p "$MLX_PTX_CACHE_DIR"
 TILES="192x192x64/8,128x256x64/8"
+# gemm_profile.py configurations timed by the ncu step
+NCU_CONFIGS="${NCU_CONFIGS:-addmm tma:192x192x64/8/16 tma_st:192x192x64/8/16 tma:128x256x64/8/8 tma_st:128x256x64/8/8}"
 sweep() {  # op family tiles walks out
   timeout 120 python3 -m mlx_qsa sweep --op "$1" --tokens 4181 --warmup 2 --repeats 5 \
     --steady 20x7 --family "$2" --tiles "$3" --walk-m "$4" --out "$OUT/$5" 2>&1 | tail -12
@@ -29,14 +32,14 @@ rc=0
     case "$what" in
       tests)
         timeout 240 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
-          tests/test_gemm_cuda.py -k "tma_st or tma_gemm_is_deterministic" 2>&1 | tail -8 ;;
+          tests/test_gemm_cuda.py -k "${TESTS_K:-tma_st or tma_gemm_is_deterministic}" 2>&1 \
+          | tail -8 ;;
       ncu)
         timeout 200 ncu --clock-control none --csv -k "regex:gemm|nvjet|qsa" \
           --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__cycles_elapsed.max \
-          python3 benchmarks/gemm_profile.py --calls 5 addmm tma:192x192x64/8/16 \
-          tma_st:192x192x64/8/16 tma:128x256x64/8/8 tma_st:128x256x64/8/8 \
+          python3 benchmarks/gemm_profile.py --calls 5 $NCU_CONFIGS \
           > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
-        python3 benchmarks/ncu_summary.py "$OUT/ncu.csv" 5 ;;
+        python3 benchmarks/ncu_summary.py "$OUT/ncu.csv" "$(echo $NCU_CONFIGS | wc -w)" ;;
       sweeps)
         for round in 1 2; do
           for fam in tma tma_st; do

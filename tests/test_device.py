@@ -85,7 +85,7 @@ def test_gemm_family_per_gpu():
     assert family_for_device("auto", HOPPER) == "auto"
     assert family_for_device("auto", A100) == "mma"
     assert family_for_device("mma", B200) == "mma"
-    for family in ("wgmma", "tma", "tma_mc", "tma_st"):
+    for family in ("wgmma", "tma", "tma_mc", "tma_st", "tma_mc_st"):
         with pytest.raises(
             NotImplementedError, match=r"needs sm_90a .* this GPU is sm_80; family 'mma'"
         ):

@@ -50,6 +50,7 @@ CONFIGS += [(t, w, g, "tma_mc") for t, w in MC_TILES for g in (0, 8)]
 # N = 136, 264 and 520 leave boxes partly outside y, which the TMA unit must clip.
 ST_TILES = (((128, 256, 64), 8), ((192, 192, 64), 8), ((128, 128, 64), 4), ((64, 256, 64), 4))
 CONFIGS += [(t, w, g, "tma_st") for t, w in ST_TILES for g in (0, 8)]
+CONFIGS += [(t, w, g, "tma_mc_st") for t, w in ST_TILES[:2] for g in (0, 8)]
 
 # (M, N, K): one row; M, N and K off every tile; a partial walk_m group; K = D of the model.
 SHAPES = [(1, 64, 64), (37, 136, 200), (333, 520, 576), (131, 264, 2560)]
@@ -130,6 +131,8 @@ def test_tma_gemm_is_deterministic_and_independent_of_walk():
     wide = gemm_bias(x, w, b, tile=(192, 192, 64), warps=8, walk_m=8, family="tma")
     wide_st = gemm_bias(x, w, b, tile=(192, 192, 64), warps=8, walk_m=8, family="tma_st")
     assert mx.array_equal(wide_st, wide).item()
+    wide_mc_st = gemm_bias(x, w, b, tile=(192, 192, 64), warps=8, walk_m=8, family="tma_mc_st")
+    assert mx.array_equal(wide_mc_st, wide).item()
 
 
 @needs_cuda

@@ -326,6 +326,9 @@ def test_tma_store_plans():
         plan_gemm((128, 96, 64), 4, family="tma_st")
     with pytest.raises(NotImplementedError, match="stages"):
         plan_gemm((192, 192, 64), 8, family="tma_st", stages=4)
+    both = plan_gemm((192, 192, 64), 8, 16, family="tma_mc_st")
+    assert (both.family, both.cluster, both.tma_store, both.stages) == ("tma_mc_st", 2, True, 3)
+    assert "_c2_st" in both.label
     header, body = kernel_text(st)
     assert "TMA_STORE" in body and header.rstrip().endswith("__launch_bounds__(384, 1)")
 

@@ -685,10 +685,12 @@ def scope_text(
         "BF16 inputs (standard normal); synthetic BF16 bias (the weights' law x 0.1), since the "
         "QSA projections have no bias. Baseline mx.addmm (cuBLASLt bias epilogue on CUDA)."
     )
-    if custom_ran and family in ("tma", "tma_mc", "tma_st"):
+    if custom_ran and family.startswith("tma"):
         clusters = {
             "tma_mc": " in clusters of two blocks that share each W tile by TMA multicast",
             "tma_st": ", each finished tile staged in shared memory and written by TMA stores",
+            "tma_mc_st": " in clusters of two blocks that share each W tile by TMA multicast, "
+            "each finished tile staged in shared memory and written by TMA stores",
         }.get(family, "")
         text += (
             " Custom mx.fast.cuda_kernel GEMMs with FP32 accumulation and BF16 bias epilogue: "

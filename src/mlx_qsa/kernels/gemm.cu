@@ -761,7 +761,7 @@ __device__ __forceinline__ void qsa_tmap_publish(const unsigned long long* tmpl,
 // W tile, multicast into both CTAs, so W crosses L2 once per pair. A stage is refilled only once
 // the consumers of both CTAs have released it (each consumer warp arrives on both CTAs' empty
 // barriers), and neither CTA exits while the other may still arrive on its barriers.
-// TMA_STORE = 1 (family "tma_st", CLUSTER = 1): the consumers stage each finished tile (plus
+// TMA_STORE = 1 (families "tma_st" and "tma_mc_st"): the consumers stage each finished tile (plus
 // bias, as bf16) in shared memory behind the ring and one thread hands it to the TMA unit as
 // TN/64 box stores through a third tensor map (y's), then the warpgroups go straight on to the
 // next tile's k-slices while the store drains; the staging tile is rewritten only after that
@@ -784,7 +784,7 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   static_assert(TM <= 256 && TN <= 256, "a TMA box spans at most 256 rows");
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && (TN / 2) % 8 == 0), "pairs split W by 8 rows");
   constexpr int B_ROWS = TN / CLUSTER;  // W rows this CTA loads per stage
-  static_assert(TMA_STORE == 0 || (CLUSTER == 1 && TN % 64 == 0), "tma_st: one CTA, 64-col boxes");
+  static_assert(TMA_STORE == 0 || TN % 64 == 0, "the TMA store writes 64-column boxes");
   constexpr int NMAPS = TMA_STORE ? 3 : 2;  // x, W (and y)
   constexpr int C_BYTES = TMA_STORE ? TM * TN * 2 : 0;
 
@@ -977,7 +977,7 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
       if (tid == 0) {
 #pragma unroll
         for (int box = 0; box < TN / 64; ++box) {
-          if (n0 + box * 64 < N) {
+          if (n0 + box * 64 < N && m0 < M) {  // a pair's second tile may lie below M
             qsa_tma_store_2d(map_y, c_base + static_cast<unsigned>(box * TM * 128), n0 + box * 64,
                              m0);
           }

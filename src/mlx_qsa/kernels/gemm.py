@@ -9,7 +9,7 @@ Family `tma` is the Hopper design: a persistent grid (one block per SM), one pro
 feeding TMA tile loads through mbarriers to `warps` consumer warps on wgmma (gemm.cu); family
 `tma_mc` runs it in clusters of two blocks that share each W tile by TMA multicast; family
 `tma_st` stages each finished tile in shared memory and writes it with TMA stores, so the
-consumers start the next tile while the store drains.
+consumers start the next tile while the store drains; `tma_mc_st` is both.
 
 `plan_gemm` and `tile_coords` are pure; MLX is imported only where arrays are made, so that
 `mlx_qsa.sweep` can set MLX's precision variables before MLX loads.
@@ -60,8 +60,8 @@ SUBPARTITION_REGS = 16384
 ACC_OVERHEAD_REGS = 40
 WGMMA_N = (64, 128, 256)  # warpgroup N extents of the cp.async wgmma family
 TMA_WGMMA_N = (64, 96, 128, 192, 256)  # and of the TMA family (every wrapper in gemm.cu)
-FAMILIES = ("auto", "wgmma", "mma", "tma", "tma_mc", "tma_st")
-HOPPER_FAMILIES = ("wgmma", "tma", "tma_mc", "tma_st")
+FAMILIES = ("auto", "wgmma", "mma", "tma", "tma_mc", "tma_st", "tma_mc_st")
+HOPPER_FAMILIES = ("wgmma", "tma", "tma_mc", "tma_st", "tma_mc_st")
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class GemmPlan:
     @property
     def family(self) -> str:
         if self.tma:
-            return "tma_mc" if self.cluster > 1 else "tma_st" if self.tma_store else "tma"
+            return ("tma_mc" if self.cluster > 1 else "tma") + ("_st" if self.tma_store else "")
         return "wgmma" if self.wgmma else "mma"
 
     @property
@@ -240,7 +240,7 @@ def plan_gemm(
         raise ValueError(f"plan_gemm(family): expected one of {FAMILIES}, got {family!r}")
     if tk % 64:
         raise ValueError(f"plan_gemm(tile): TK must be a multiple of 64 (swizzle atom), got {tk}")
-    if family in ("tma", "tma_mc", "tma_st"):
+    if family.startswith("tma"):
         return _plan_tma(
             tm,
             tn,
@@ -248,8 +248,8 @@ def plan_gemm(
             warps,
             walk_m,
             stages,
-            cluster=2 if family == "tma_mc" else 1,
-            tma_store=family == "tma_st",
+            cluster=2 if family.startswith("tma_mc") else 1,
+            tma_store=family.endswith("_st"),
         )
     threads = 32 * warps
     # gemm.cu's loader: each thread keeps one 16-byte column chunk, rows threads/chunks apart.
@@ -319,7 +319,7 @@ def _plan_tma(
 ) -> GemmPlan:
     if tma_store and tn % 64:
         raise NotImplementedError(
-            f"tile {[tm, tn, tk]}: the tma_st family stores 64-column boxes; TN must be a "
+            f"tile {[tm, tn, tk]}: the TMA store writes 64-column boxes; TN must be a "
             f"multiple of 64"
         )
     layout = _wgmma_layout(tm, tn, warps, TMA_MAX_ACC_REGS, TMA_WGMMA_N)
@@ -548,7 +548,7 @@ def gemm_bias(
 def family_for_device(family: str, limits: DeviceLimits | None) -> str:
     """The family to plan on a GPU with `limits` (None: unchecked).
 
-    `wgmma`, `tma`, `tma_mc` and `tma_st` are Hopper code (sm_90a): elsewhere they raise, and `auto`
+    The `wgmma` and `tma*` families are Hopper code (sm_90a): elsewhere they raise, and `auto`
     means `mma` (mma.sync, sm_80 and newer).
     """
     from mlx_qsa.kernels import device
