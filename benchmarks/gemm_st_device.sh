@@ -9,6 +9,10 @@
 # sweeps: attn.qkv_proj sweeps of both families, interleaved twice (tma, tma_st, tma, tma_st),
 #         with --steady 20x7 (each sweep measures its own mx.addmm baseline)
 # ops:    attn.o_proj and indexer.qk_proj, both families once
+# alltests: tests/test_gemm_cuda.py and tests/test_sweep.py, every family
+# launch: Nsight Compute's LaunchStats and Occupancy sections of a tma_mc_st and a tma_st kernel
+# order:  benchmarks/gemm_st_order.py with the cluster guard lifted, graphs on, then off
+# (the ncu step's NCU_CONFIGS may name tma_mc*: run it with MLX_USE_CUDA_GRAPHS=0)
 set -uo pipefail
 OUT="${OUT:-/tmp/gemm-st}"
 mkdir -p "$OUT"
@@ -54,6 +58,18 @@ rc=0
             sweep "$op" "$fam" "$TILES,128x128x64/4" 8 "${op}_${fam}.json"
           done
         done ;;
+      alltests)  # every GEMM test on the GPU (all families)
+        timeout 400 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+          tests/test_gemm_cuda.py tests/test_sweep.py 2>&1 | tail -8 ;;
+      launch)  # Nsight Compute's launch and occupancy sections of one cluster and one plain kernel
+        MLX_USE_CUDA_GRAPHS=0 timeout 150 ncu --clock-control none -k "regex:qsa_gemm" -c 2 --section LaunchStats \
+          --section Occupancy python3 benchmarks/gemm_profile.py tma_mc_st:192x192x64/8/8 \
+          tma_st:192x192x64/8/8 > "$OUT/ncu_launch.txt" 2>&1
+        grep -v "^==PROF==" "$OUT/ncu_launch.txt" | grep -i "cluster\|grid\|block\|waves\|occupancy\|shared\|registers" ;;
+      order)  # the cluster / tma_st order dependence, guard lifted, graphs on then off
+        timeout 120 python3 benchmarks/gemm_st_order.py --unguarded 2>&1 | tail -10
+        MLX_USE_CUDA_GRAPHS=0 timeout 120 python3 benchmarks/gemm_st_order.py --unguarded 2>&1 \
+          | tail -10 ;;
       *) echo "unknown step $what"; rc=1 ;;
     esac
   done

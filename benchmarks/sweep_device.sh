@@ -57,7 +57,8 @@ py() { python3 "$@"; }
   echo "sweep rc=$?"
 
   echo "== sweep attn.qkv_proj, family tma_mc (clusters of two, W multicast)"
-  timeout 80 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
+  # cluster kernels run only without MLX's CUDA graphs (kernels/gemm.py, cluster_launch_unsupported)
+  MLX_USE_CUDA_GRAPHS=0 timeout 80 python3 -m mlx_qsa sweep --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 \
     --tiles "128x256x64/8,256x128x64/8,192x192x64/8,128x128x64/4" --walk-m 8,16 --family tma_mc \
     --steady "$STEADY" --out "$OUT/qkv_tile_sweep_h200_tma_mc.json"
   echo "sweep rc=$?"

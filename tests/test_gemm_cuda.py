@@ -9,12 +9,15 @@ kernel never writes fails.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_qsa.kernels.gemm import gemm_bias, gemm_bias_reference
+from mlx_qsa.kernels.gemm import cluster_launch_unsupported, gemm_bias, gemm_bias_reference
 from mlx_qsa.sweep import DEFAULT_GRID, DEFAULT_WALKS, agreement
 
 needs_cuda = pytest.mark.skipif(
@@ -45,12 +48,22 @@ CONFIGS += [(t, w, g, "tma") for t, w in TMA_TILES for g in (0, 8)]
 # Clusters of two blocks sharing W tiles by multicast; M = 37, 131 and 333 leave the last pair of
 # tile rows half below M.
 MC_TILES = (((128, 256, 64), 8), ((256, 128, 64), 8), ((192, 192, 64), 8), ((128, 128, 64), 4))
-CONFIGS += [(t, w, g, "tma_mc") for t, w in MC_TILES for g in (0, 8)]
+# They run only without MLX's CUDA graphs (`cluster_launch_unsupported`), so in a subprocess of
+# their own: `test_cluster_families_without_cuda_graphs`.
+CLUSTER_CONFIGS = [(t, w, g, "tma_mc") for t, w in MC_TILES for g in (0, 8)]
 # The TMA-store epilogue (64-column boxes, so TN a multiple of 64): M = 37, 131 and 333 and
 # N = 136, 264 and 520 leave boxes partly outside y, which the TMA unit must clip.
 ST_TILES = (((128, 256, 64), 8), ((192, 192, 64), 8), ((128, 128, 64), 4), ((64, 256, 64), 4))
 CONFIGS += [(t, w, g, "tma_st") for t, w in ST_TILES for g in (0, 8)]
-CONFIGS += [(t, w, g, "tma_mc_st") for t, w in ST_TILES[:2] for g in (0, 8)]
+CLUSTER_CONFIGS += [(t, w, g, "tma_mc_st") for t, w in ST_TILES[:2] for g in (0, 8)]
+GRAPHS_OFF = cluster_launch_unsupported(os.environ.get("MLX_USE_CUDA_GRAPHS")) is None
+# The cluster cases: on a GPU, in the subprocess only.
+in_cluster_process = pytest.mark.skipif(
+    not (mx.cuda.is_available() and GRAPHS_OFF),
+    reason="runs in test_cluster_families_without_cuda_graphs (MLX_USE_CUDA_GRAPHS=0)"
+    if mx.cuda.is_available()
+    else "the custom GEMM is an mx.fast.cuda_kernel: needs MLX with CUDA",
+)
 
 # (M, N, K): one row; M, N and K off every tile; a partial walk_m group; K = D of the model.
 SHAPES = [(1, 64, 64), (37, 136, 200), (333, 520, 576), (131, 264, 2560)]
@@ -75,6 +88,10 @@ def _inputs(m: int, n: int, k: int, seed: int):
 @pytest.mark.cuda
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_id)
 def test_gemm_matches_addmm(cfg):
+    _check_against_addmm(cfg)
+
+
+def _check_against_addmm(cfg) -> None:
     tile, warps, walk, family = cfg
     shapes = SHAPES + [PERSISTENT_SHAPE] if family.startswith("tma") else SHAPES
     for i, (m, n, k) in enumerate(shapes):
@@ -121,9 +138,6 @@ def test_tma_gemm_is_deterministic_and_independent_of_walk():
     # The TMA and cp.async wgmma kernels sum each element in the same k order.
     ref = gemm_bias(x, w, b, tile=(128, 256, 64), warps=8, walk_m=8, family="wgmma")
     print("tma vs wgmma bit-equal:", mx.array_equal(ref, ys[0]).item())
-    # Multicast changes where W's rows come from, not the arithmetic.
-    mc = gemm_bias(x, w, b, tile=(128, 256, 64), warps=8, walk_m=8, family="tma_mc")
-    assert mx.array_equal(mc, ys[0]).item()
     # The TMA store moves the same bf16 values; only the path to y differs.
     for g in (0, 8):
         st = gemm_bias(x, w, b, tile=(128, 256, 64), warps=8, walk_m=g, family="tma_st")
@@ -131,8 +145,67 @@ def test_tma_gemm_is_deterministic_and_independent_of_walk():
     wide = gemm_bias(x, w, b, tile=(192, 192, 64), warps=8, walk_m=8, family="tma")
     wide_st = gemm_bias(x, w, b, tile=(192, 192, 64), warps=8, walk_m=8, family="tma_st")
     assert mx.array_equal(wide_st, wide).item()
-    wide_mc_st = gemm_bias(x, w, b, tile=(192, 192, 64), warps=8, walk_m=8, family="tma_mc_st")
-    assert mx.array_equal(wide_mc_st, wide).item()
+    # The clusters' bit-equality with these runs in their own process (below).
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.skipif(GRAPHS_OFF, reason="this process runs without MLX's CUDA graphs")
+def test_cluster_family_refused_with_cuda_graphs():
+    x, w, b = _inputs(37, 136, 200, seed=9)
+    for family in ("tma_mc", "tma_mc_st"):
+        with pytest.raises(NotImplementedError, match="MLX_USE_CUDA_GRAPHS=0"):
+            gemm_bias(x, w, b, tile=(128, 256, 64), warps=8, family=family)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.skipif(GRAPHS_OFF, reason="this process is already the subprocess")
+def test_cluster_families_without_cuda_graphs():
+    # MLX reads MLX_USE_CUDA_GRAPHS once per process, so the cluster cases run in a child.
+    env = {**os.environ, "MLX_USE_CUDA_GRAPHS": "0"}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            __file__,
+            "-k",
+            "cluster_gemm",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-2000:]
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert f"{len(CLUSTER_CONFIGS) + 1} passed" in summary, summary
+    assert "skipped" not in summary, summary
+
+
+@in_cluster_process
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg", CLUSTER_CONFIGS, ids=_id)
+def test_cluster_gemm_matches_addmm(cfg):
+    _check_against_addmm(cfg)
+
+
+@in_cluster_process
+@pytest.mark.cuda
+def test_cluster_gemm_is_bit_equal_to_one_cta():
+    # Multicast changes where W's rows come from, not the arithmetic.
+    x, w, b = _inputs(*PERSISTENT_SHAPE, seed=8)
+    for tile in ((128, 256, 64), (192, 192, 64)):
+        one = gemm_bias(x, w, b, tile=tile, warps=8, walk_m=8, family="tma")
+        for family in ("tma_mc", "tma_mc_st"):
+            mc = gemm_bias(x, w, b, tile=tile, warps=8, walk_m=8, family=family)
+            assert mx.array_equal(mc, one).item(), (tile, family)
 
 
 @needs_cuda

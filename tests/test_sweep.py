@@ -333,6 +333,17 @@ def test_tma_store_plans():
     assert "TMA_STORE" in body and header.rstrip().endswith("__launch_bounds__(384, 1)")
 
 
+def test_cluster_launch_needs_cuda_graphs_off():
+    from mlx_qsa.kernels.gemm import cluster_launch_unsupported
+
+    # MLX's reading (env::get_var: atoi of the value, default on): only a value that reads as
+    # zero turns its CUDA graphs off, and only then may cluster kernels run.
+    for value in ("0", " 0", "00", "-0", "off", ""):
+        assert cluster_launch_unsupported(value) is None, value
+    for value in (None, "1", "2", "-1", "1x"):
+        assert "MLX_USE_CUDA_GRAPHS=0" in cluster_launch_unsupported(value), value
+
+
 def test_tma_kernel_has_launch_bounds():
     header, body = kernel_text(plan_gemm((192, 192, 64), 8, 8, family="tma"))
     # The redefinition closes the header, right before MLX writes `__global__ void <name>(`.

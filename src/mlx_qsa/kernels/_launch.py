@@ -157,7 +157,8 @@ def one_launch_default(rows: int, d: int) -> bool:
 
 @functools.cache
 def env_switch(name: str) -> str | None:
-    """An environment switch (the ``MLX_QSA_*`` A/B switches, ``MLX_DISABLE_COMPILE``), read
+    """An environment switch (the ``MLX_QSA_*`` A/B switches, ``MLX_DISABLE_COMPILE``,
+    ``MLX_USE_CUDA_GRAPHS`` for the GEMM's cluster families), read
     once per process, as MLX reads its own variables: a decode step reads them about five
     times, and each ``os.environ`` read costs ~1 µs of host time per layer and step. A test
     that sets one calls ``env_switch.cache_clear()`` (tests/conftest.py clears it after every

@@ -508,6 +508,11 @@ def gemm_bias(
     family = family_for_device(family, limits)
     smem = limits.max_shared_memory if limits is not None else MAX_DYNAMIC_SMEM
     plan = plan_gemm(tile, warps, walk_m, stages=stages, family=family, smem_limit=smem)
+    if plan.cluster > 1:
+        from mlx_qsa.kernels._launch import env_switch
+
+        if (why := cluster_launch_unsupported(env_switch("MLX_USE_CUDA_GRAPHS"))) is not None:
+            raise NotImplementedError(f"gemm_bias(family={family!r}): {why}")
     m, n = x.shape[0], w.shape[0]
     threads = plan.threads
     if plan.tma:
@@ -543,6 +548,39 @@ def gemm_bias(
         init_value=init_value,
     )
     return y
+
+
+def cluster_launch_unsupported(use_cuda_graphs: str | None) -> str | None:
+    """Why a cluster kernel (families `tma_mc`, `tma_mc_st`) cannot run in this process, or
+    None; `use_cuda_graphs` is the value of MLX_USE_CUDA_GRAPHS (None: unset).
+
+    Seen on the H100 (2026-12-06, `benchmarks/gemm_st_order.py`): after one cluster GEMM call
+    in a process, every later one-block `tma_st` call left y unwritten, while 132-block calls
+    and `tma_st` before any cluster call were exact. The probable cause, in MLX 0.32's
+    `subgraph_to_key` (backend/cuda/device.cpp): MLX reuses a CUDA graph whose key matches and
+    updates its kernel nodes in place, and its own comment says CUDA does not update a node
+    correctly into one of another cluster shape; the key tells shapes apart only by the node's
+    launch attribute, which compile-time `__cluster_dims__` (the only way
+    `mx.fast.cuda_kernel` can launch clusters) does not set. Without MLX's CUDA graphs
+    (MLX_USE_CUDA_GRAPHS=0, read once per process, as MLX's `atoi`) no node is updated.
+    """
+    value = use_cuda_graphs
+    if value is not None:
+        digits = value.strip()
+        sign = -1 if digits[:1] == "-" else 1
+        digits = digits.lstrip("+-")
+        n = 0
+        for ch in digits:
+            if not ch.isdigit():
+                break
+            n = n * 10 + int(ch)
+        if sign * n == 0:
+            return None
+    return (
+        "cluster kernels need MLX_USE_CUDA_GRAPHS=0: MLX updates CUDA graph nodes in place "
+        "without seeing compile-time cluster dimensions, which then leak into later launches "
+        "of other kernels"
+    )
 
 
 def family_for_device(family: str, limits: DeviceLimits | None) -> str:
