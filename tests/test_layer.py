@@ -1081,7 +1081,7 @@ def test_layers_at_one_step_share_the_rope_tables():
     window): a later layer's graph holds fewer primitives, and its output and states are bit
     for bit those it gives when it makes its own tables."""
     from mlx_qsa.bench import layer_rows, primitive_counts, random_cache
-    from mlx_qsa.rope import text_rope
+    from mlx_qsa.rope import rope_window, text_rope
 
     cfg = QSAConfig()
     layers = []
@@ -1096,6 +1096,7 @@ def test_layers_at_one_step_share_the_rope_tables():
 
     def step_b(after_a: bool):
         text_rope.cache_clear()
+        rope_window.cache_clear()  # the step's first layer makes the tables too
         if after_a:
             a(x, cache=random_cache(a, 4096, 1, seed=4))  # the step's first layer, unevaluated
         cache = random_cache(b, 4096, 1, seed=5)
