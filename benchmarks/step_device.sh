@@ -9,6 +9,7 @@
 # ab:      step_profile of this tree against an older one in .old/src (carried), interleaved
 # ab2:     the same, once each, 1 and 4 rows
 # rtests:  tests/test_cuda_rope.py and tests/test_cuda_layer.py
+# ntests:  the same plus tests/test_cuda_rms_norm.py where the tree has it
 # bench:   mlx-qsa bench decode, the full grid, 8 sets, 5 repeats
 # graphsbench: the 1-row decode grid with MLX_USE_CUDA_GRAPHS=1, 0, 1 (the setting is read
 #          once per process)
@@ -53,6 +54,11 @@ for what in "$@"; do
     rtests)  # the RoPE kernel's tests and the layer tests only (a shorter `tests`)
       timeout 300 python3 -m pytest -o addopts= -q -x -rs -p no:cacheprovider \
         tests/test_cuda_rope.py tests/test_cuda_layer.py 2>&1 | tee "$OUT/rtests.log" | tail -6
+      rc=$((rc | PIPESTATUS[0])) ;;
+    ntests)  # the norm / query-preparation / pooling kernels' tests, RoPE's and the layer's
+      timeout 300 python3 -m pytest -o addopts= -q -x -rs -p no:cacheprovider \
+        $(ls tests/test_cuda_rms_norm.py 2>/dev/null) tests/test_cuda_rope.py \
+        tests/test_cuda_layer.py 2>&1 | tee "$OUT/ntests.log" | tail -6
       rc=$((rc | PIPESTATUS[0])) ;;
     bench)  # the full decode grid
       timeout 400 python3 -m mlx_qsa bench decode --sets 8 --repeats 5 \
