@@ -307,44 +307,15 @@ __device__ __forceinline__ void qsa_load_bias(__nv_bfloat162 (&bias)[J], const _
   }
 }
 
-// Epilogue of one warp's share of m64nN accumulators (MI of them, stacked 64 rows apart): warp
-// q of the warpgroup holds rows row0 = 16q + lane/4 (+8); registers 4j..4j+3 hold columns
-// col0 + 8j + 2(lane%4) (+1). Bias pairs load CHUNK at a time ahead of their stores: one load
-// latency per chunk, for CHUNK registers.
-template <int MI, int NN>
-__device__ __forceinline__ void qsa_store_wgmma_acc(__nv_bfloat16* y, const __nv_bfloat16* b,
-                                                    int M, int N, int row0, int col0, int lane,
-                                                    float (&acc)[MI][NN / 2]) {
-  constexpr int J = NN / 8;
-  constexpr int CHUNK = J % 8 == 0 ? 8 : J % 6 == 0 ? 6 : J % 4 == 0 ? 4 : J;
-#pragma unroll
-  for (int jc = 0; jc < J; jc += CHUNK) {
-    __nv_bfloat162 bias[CHUNK];
-    qsa_load_bias(bias, b, N, col0 + jc * 8, lane);
-#pragma unroll
-    for (int i = 0; i < MI; ++i) {
-      const int row = row0 + i * 64;
-#pragma unroll
-      for (int jj = 0; jj < CHUNK; ++jj) {
-        const int j = jc + jj;
-        const int col = col0 + j * 8 + 2 * (lane & 3);
-        qsa_store_pair(y, bias[jj], M, N, row, col, acc[i][4 * j], acc[i][4 * j + 1]);
-        qsa_store_pair(y, bias[jj], M, N, row + 8, col, acc[i][4 * j + 2], acc[i][4 * j + 3]);
-      }
-    }
-  }
-}
-
-// The TMA-store epilogue's half: a warp's share of m64nN accumulators, plus bias, as bf16 pairs
-// into the block's staging tile in shared memory. The tile is TN/64 boxes of [TM rows x 128
-// bytes] with the 128-byte swizzle (the layout the store's tensor map reads); the eight rows of
-// one store instruction land in eight different 16-byte chunks, so its 32 lanes hit 32 banks.
-// row0, lcol0: the warp's first row and column inside the tile; gcol0: that column in y (bias).
-// Rows and columns past M and N are staged too; the TMA store clips them.
-template <int MI, int NN, int TM>
-__device__ __forceinline__ void qsa_stage_wgmma_acc(unsigned c_base, const __nv_bfloat16* b,
-                                                    int N, int row0, int lcol0, int gcol0,
-                                                    int lane, float (&acc)[MI][NN / 2]) {
+// The epilogue's walk over one warp's share of m64nN accumulators (MI of them, stacked 64 rows
+// apart): warp q of the warpgroup holds rows 16q + lane/4 (+8); registers 4j..4j+3 hold columns
+// 8j + 2(lane%4) (+1), counted from the warp's first column, whose column in y is gcol0. Bias
+// pairs load CHUNK at a time ahead of their stores: one load latency per chunk, for CHUNK
+// registers. `put(r, c, bias, v0, v1)` takes each accumulator pair with its row offset r
+// (64 i + 8 h) and column offset c from the warp's first row and column.
+template <int MI, int NN, typename Put>
+__device__ __forceinline__ void qsa_wgmma_epilogue(const __nv_bfloat16* b, int N, int gcol0,
+                                                   int lane, float (&acc)[MI][NN / 2], Put put) {
   constexpr int J = NN / 8;
   constexpr int CHUNK = J % 8 == 0 ? 8 : J % 6 == 0 ? 6 : J % 4 == 0 ? 4 : J;
 #pragma unroll
@@ -356,22 +327,49 @@ __device__ __forceinline__ void qsa_stage_wgmma_acc(unsigned c_base, const __nv_
 #pragma unroll
       for (int jj = 0; jj < CHUNK; ++jj) {
         const int j = jc + jj;
-        const int col = lcol0 + j * 8 + 2 * (lane & 3);
-        const unsigned box = c_base + static_cast<unsigned>((col >> 6) * (TM * 128));
-        const int chunk = (col & 63) >> 3;
-        const unsigned within = static_cast<unsigned>((col & 7) * 2);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int row = row0 + i * 64 + 8 * h;
-          const __nv_bfloat162 v = qsa_bias_pair(bias[jj], acc[i][4 * j + 2 * h],
-                                                 acc[i][4 * j + 2 * h + 1]);
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(box + qsa_swz(row, chunk) + within),
-                       "r"(*reinterpret_cast<const unsigned*>(&v))
-                       : "memory");
+          put(i * 64 + 8 * h, j * 8 + 2 * (lane & 3), bias[jj], acc[i][4 * j + 2 * h],
+              acc[i][4 * j + 2 * h + 1]);
         }
       }
     }
   }
+}
+
+// Register-store epilogue: y[row0 + r, col0 + c : +2] = bf16(acc + bias), inside M and N.
+template <int MI, int NN>
+__device__ __forceinline__ void qsa_store_wgmma_acc(__nv_bfloat16* y, const __nv_bfloat16* b,
+                                                    int M, int N, int row0, int col0, int lane,
+                                                    float (&acc)[MI][NN / 2]) {
+  qsa_wgmma_epilogue<MI, NN>(
+      b, N, col0, lane, acc, [&](int r, int c, __nv_bfloat162 bias, float v0, float v1) {
+        qsa_store_pair(y, bias, M, N, row0 + r, col0 + c, v0, v1);
+      });
+}
+
+// The TMA-store epilogue's half: the same pairs into the block's staging tile in shared memory.
+// The tile is TN/64 boxes of [TM rows x 128 bytes] with the 128-byte swizzle (the layout the
+// store's tensor map reads); the eight rows of one store instruction land in eight different
+// 16-byte chunks, so its 32 lanes hit 32 banks. row0, lcol0: the warp's first row and column
+// inside the tile; gcol0: that column in y (bias). Rows and columns past M and N are staged
+// too; the TMA store clips them.
+template <int MI, int NN, int TM>
+__device__ __forceinline__ void qsa_stage_wgmma_acc(unsigned c_base, const __nv_bfloat16* b,
+                                                    int N, int row0, int lcol0, int gcol0,
+                                                    int lane, float (&acc)[MI][NN / 2]) {
+  qsa_wgmma_epilogue<MI, NN>(
+      b, N, gcol0, lane, acc, [&](int r, int c, __nv_bfloat162 bias, float v0, float v1) {
+        const int row = row0 + r;
+        const int col = lcol0 + c;
+        const unsigned addr = c_base + static_cast<unsigned>((col >> 6) * (TM * 128)) +
+                              qsa_swz(row, (col & 63) >> 3) +
+                              static_cast<unsigned>((col & 7) * 2);
+        const __nv_bfloat162 v = qsa_bias_pair(bias, v0, v1);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr),
+                     "r"(*reinterpret_cast<const unsigned*>(&v))
+                     : "memory");
+      });
 }
 
 // One thread block computes one [TM, TN] tile of y. TM, TN, TK: block tile; WARPS: warps per
@@ -597,9 +595,8 @@ __device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bflo
 // template per operand (`tmaps`, 128 bytes each: x, W, and y for the TMA store, at a placeholder
 // address); the producer warp copies each into shared memory, points it at the real operand
 // with tensormap.replace and publishes it to this block's slot of `scratch` (128 bytes a map).
-// The launcher
-// puts launch bounds on the kernel (gemm.py, launch_bounds_header), so NVRTC keeps every warp
-// within its share of the register file.
+// The launcher puts launch bounds on the kernel (gemm.py, launch_bounds_header), so NVRTC keeps
+// every warp within its share of the register file.
 
 __device__ __forceinline__ void qsa_mbar_init(unsigned bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
