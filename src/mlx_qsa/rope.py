@@ -89,9 +89,11 @@ def window_span(start: int, stop: int, step: int) -> tuple[int, int, int] | None
     """`(base, first, n)`: the window of positions start, start+step, ... < stop (rows
     first..first+n of `rope_window(cfg, base, step)`), or None when they do not fit one
     window (a prefill chunk, a negative start) and are made directly."""
+    if step <= 0:
+        return None
     n = len(range(start, stop, step))
-    first = (start // step) % ROPE_WINDOW if step > 0 else 0
-    if step <= 0 or n <= 0 or first + n > ROPE_WINDOW or start - first * step < 0:
+    first = (start // step) % ROPE_WINDOW
+    if n <= 0 or first + n > ROPE_WINDOW or start - first * step < 0:
         return None
     return start - first * step, first, n
 

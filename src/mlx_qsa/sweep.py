@@ -686,12 +686,15 @@ def scope_text(
         "QSA projections have no bias. Baseline mx.addmm (cuBLASLt bias epilogue on CUDA)."
     )
     if custom_ran and family.startswith("tma"):
-        clusters = {
-            "tma_mc": " in clusters of two blocks that share each W tile by TMA multicast",
-            "tma_st": ", each finished tile staged in shared memory and written by TMA stores",
-            "tma_mc_st": " in clusters of two blocks that share each W tile by TMA multicast, "
-            "each finished tile staged in shared memory and written by TMA stores",
-        }.get(family, "")
+        clusters = (
+            " in clusters of two blocks that share each W tile by TMA multicast"
+            if family.startswith("tma_mc")
+            else ""
+        ) + (
+            ", each finished tile staged in shared memory and written by TMA stores"
+            if family.endswith("_st")
+            else ""
+        )
         text += (
             " Custom mx.fast.cuda_kernel GEMMs with FP32 accumulation and BF16 bias epilogue: "
             f"family {family} (persistent grid of one block per SM{clusters}; one producer warp "

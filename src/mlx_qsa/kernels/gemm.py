@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,9 +41,16 @@ TMA_MAP_BYTES = 128
 TMA_BARRIER_BYTES = 2 * 8 * MAX_STAGES_TMA  # full/empty barriers
 
 
-def _tma_extra(maps: int, staging: int) -> int:
-    """Shared memory beside the TMA ring: the staging tile, the tensor maps, the barriers."""
-    return staging + maps * TMA_MAP_BYTES + TMA_BARRIER_BYTES
+def _tma_maps(tma_store: bool) -> int:
+    """Tensor maps a TMA-family block publishes: x, W (and y for the TMA store)."""
+    return 3 if tma_store else 2
+
+
+def _tma_extra(tm: int, tn: int, tma_store: bool) -> int:
+    """Shared memory beside the TMA ring: the TMA store's staging tile [TM, TN] bf16, the
+    tensor maps, the barriers."""
+    staging = tm * tn * 2 if tma_store else 0
+    return staging + _tma_maps(tma_store) * TMA_MAP_BYTES + TMA_BARRIER_BYTES
 
 
 TMA_MAX_BOX_ROWS = 256
@@ -105,11 +113,12 @@ class GemmPlan:
     @property
     def maps(self) -> int:
         """Tensor maps the kernel publishes per block: x, W (and y for the TMA store)."""
-        return (3 if self.tma_store else 2) if self.tma else 0
+        return _tma_maps(self.tma_store) if self.tma else 0
 
     @property
     def shared_memory(self) -> int:
-        extra = _tma_extra(self.maps, self.staging_bytes) if self.tma else 0
+        tm, tn, _ = self.tile
+        extra = _tma_extra(tm, tn, self.tma_store) if self.tma else 0
         return self.stages * self.stage_bytes + SMEM_ALIGN_PAD + extra
 
     @property
@@ -338,13 +347,12 @@ def _plan_tma(
             f"stages, got {stages}"
         )
     # One stage on the tensor cores and one loading: fewer than two stages cannot overlap.
-    staging = tm * tn * 2 if tma_store else 0
     ring = _stages(
         (tm, tn, tk),
         stages,
         least=2,
         default_cap=MAX_STAGES_TMA,
-        extra=_tma_extra(3 if tma_store else 2, staging),
+        extra=_tma_extra(tm, tn, tma_store),
     )
     groups = warps // 4
     acc = (tm // layout // 64) * (tn // (groups // layout) // 2)
@@ -564,17 +572,10 @@ def cluster_launch_unsupported(use_cuda_graphs: str | None) -> str | None:
     `mx.fast.cuda_kernel` can launch clusters) does not set. Without MLX's CUDA graphs
     (MLX_USE_CUDA_GRAPHS=0, read once per process, as MLX's `atoi`) no node is updated.
     """
-    value = use_cuda_graphs
-    if value is not None:
-        digits = value.strip()
-        sign = -1 if digits[:1] == "-" else 1
-        digits = digits.lstrip("+-")
-        n = 0
-        for ch in digits:
-            if not ch.isdigit():
-                break
-            n = n * 10 + int(ch)
-        if sign * n == 0:
+    if use_cuda_graphs is not None:
+        # atoi: leading blanks, a sign, then digits; no digits reads as 0
+        number = re.match(r"\s*[+-]?\d+", use_cuda_graphs)
+        if number is None or int(number.group()) == 0:
             return None
     return (
         "cluster kernels need MLX_USE_CUDA_GRAPHS=0: MLX updates CUDA graph nodes in place "
