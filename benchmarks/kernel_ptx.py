@@ -19,7 +19,8 @@ import sys
 from mlx_qsa.kernels._launch import common_header, kernel_sections
 
 _PRE = (
-    "#include <cuda_bf16.h>\n#include <cstdint>\nnamespace mlx::core::cu {\n"
+    "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n"
+    "namespace mlx::core::cu {\n"
     "struct Shape {\n  int d[10];\n  __device__ int operator[](int i) const { return d[i]; }\n};\n"
     "struct Strides {\n  long long d[10];\n"
     "  __device__ long long operator[](int i) const { return d[i]; }\n};\n}\n"
@@ -95,6 +96,14 @@ JOBS = {
     "rope_f32": (
         "rope.cu", "rope", [("x", "float"), ("cos_t", "float"), ("sin_t", "float")],
         [("out", "float")], [("T", "float"), ("RD", 64)], "",
+    ),
+    "rms_norm": (
+        "rms_norm.cu", "rms_norm", [("x", BF), ("weight", BF)], [("out", BF)],
+        [("T", BF), ("D", 256), ("EPS_BITS", 897988541)], "",
+    ),
+    "rms_norm_f16_d128": (
+        "rms_norm.cu", "rms_norm", [("x", "__half"), ("weight", "float")], [("out", "__half")],
+        [("T", "__half"), ("D", 128), ("EPS_BITS", 897988541)], "",
     ),
 }  # fmt: skip
 

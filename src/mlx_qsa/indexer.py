@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import QSAConfig
-from .rope import rms_norm, rope
+from .rope import norm, rope
 
 SQRT_128_F32 = 11.313708305358887  # float32(sqrt(128)), bits 0x413504f3
 
@@ -73,8 +73,8 @@ def prepare_queries(
     impl: str = "portable",
 ) -> mx.array:
     """Index queries: RMSNorm (q_layernorm) then RoPE at the rows' positions (`impl`: the
-    RoPE implementation, `rope.rope`)."""
-    return rope(rms_norm(q_raw, norm_w, g.eps), cos, sin, g.rotary_dim, impl)
+    implementation of both, `rope.norm` and `rope.rope`)."""
+    return rope(norm(q_raw, norm_w, g.eps, impl), cos, sin, g.rotary_dim, impl)
 
 
 def pool_blocks(
@@ -109,7 +109,7 @@ def pool_blocks(
     for part in parts[1:]:
         acc = acc + part
     mean = (acc / r).astype(raw.dtype)
-    return rope(rms_norm(mean, norm_w, g.eps), cos, sin, g.rotary_dim, impl)
+    return rope(norm(mean, norm_w, g.eps, impl), cos, sin, g.rotary_dim, impl)
 
 
 @lru_cache(maxsize=64)

@@ -35,8 +35,8 @@ from .indexer import (
 )
 from .kernels import resolve_impl
 from .rope import (
+    norm,
     prepare_device_constants,
-    rms_norm,
     rope,
     rope_tables,
     text_positions,
@@ -658,19 +658,19 @@ def _qk_prep(
 ):
     """Per-head RMSNorm then partial RoPE of the query half of q_proj (QSA.md §4) and of k:
     `prep(q_lin | None, k_lin, q_norm_w, k_norm_w, cos, sin) -> (q, k, gate) | (k,)`: q and k
-    `[1, heads, S, d]`, the output gate's logits `[1, S, heads, d]` (`impl`: the RoPE
-    implementation, `rope.rope`)."""
+    `[1, heads, S, d]`, the output gate's logits `[1, S, heads, d]` (`impl`: the
+    implementation of the norms and the RoPE, `rope.norm` and `rope.rope`)."""
 
     def k_part(k_lin, k_w, cos, sin):
         S = k_lin.shape[1]
-        k = rms_norm(k_lin.reshape(1, S, kv_heads, head_dim), k_w, eps)
+        k = norm(k_lin.reshape(1, S, kv_heads, head_dim), k_w, eps, impl)
         return rope(k.transpose(0, 2, 1, 3), cos, sin, rotary_dim, impl)
 
     def both(q_lin, k_lin, q_w, k_w, cos, sin):
         S = q_lin.shape[1]
         # q_proj's rows are (query, gate) per head: one reshape and one split (views) for both
         q_half, gate = mx.split(q_lin.reshape(1, S, n_heads, 2, head_dim), 2, axis=3)
-        q = rms_norm(q_half.squeeze(3), q_w, eps)
+        q = norm(q_half.squeeze(3), q_w, eps, impl)
         q = rope(q.transpose(0, 2, 1, 3), cos, sin, rotary_dim, impl)
         return q, k_part(k_lin, k_w, cos, sin), gate.squeeze(3)
 

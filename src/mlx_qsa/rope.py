@@ -152,6 +152,19 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array, rotary_dim: int, impl: str) 
     return apply_rope(x, cos, sin, rotary_dim)
 
 
+def norm(x: mx.array, weight: mx.array, eps: float, impl: str) -> mx.array:
+    """`rms_norm` by the implementation `impl` names: with "cuda", the CUDA kernel
+    (kernels/rms_norm.py) where it covers the call, one MLX primitive instead of four;
+    otherwise the portable routine. The same bits either way on MLX's CUDA backend (the same
+    rounded operations, the row sum in MLX's order)."""
+    if impl == "cuda":
+        from .kernels.rms_norm import rms_norm_cuda, rms_norm_cuda_supports
+
+        if rms_norm_cuda_supports(x, weight):
+            return rms_norm_cuda(x, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """Plain-weight RMSNorm: `bf16(x / sqrt(mean(x^2) + eps)) * w` (MLX order, QSA.md §3).
 
