@@ -98,12 +98,23 @@ JOBS = {
         [("out", "float")], [("T", "float"), ("RD", 64)], "",
     ),
     "rms_norm": (
-        "rms_norm.cu", "rms_norm", [("x", BF), ("weight", BF)], [("out", BF)],
+        "rms_norm.cu", "norm_core+rows_in+rms_norm", [("x", BF), ("weight", BF)], [("out", BF)],
         [("T", BF), ("D", 256), ("EPS_BITS", 897988541)], "",
     ),
     "rms_norm_f16_d128": (
-        "rms_norm.cu", "rms_norm", [("x", "__half"), ("weight", "float")], [("out", "__half")],
-        [("T", "__half"), ("D", 128), ("EPS_BITS", 897988541)], "",
+        "rms_norm.cu", "norm_core+rows_in+rms_norm", [("x", "__half"), ("weight", "float")],
+        [("out", "__half")], [("T", "__half"), ("D", 128), ("EPS_BITS", 897988541)], "",
+    ),
+    "norm_rope": (
+        "rms_norm.cu", "norm_core+rope_core+rows_in+norm_rope",
+        [("x", BF), ("weight", BF), ("cos_t", "float"), ("sin_t", "float")], [("out", BF)],
+        [("T", BF), ("D", 256), ("EPS_BITS", 897988541), ("RD", 64)], "",
+    ),
+    "pool_norm_rope": (
+        "rms_norm.cu", "norm_core+rope_core+pool_norm_rope",
+        [("raw", BF), ("start", "int32_t"), ("weight", BF), ("cos_t", "float"),
+         ("sin_t", "float")], [("out", BF)],
+        [("T", BF), ("D", 128), ("EPS_BITS", 897988541), ("RD", 64), ("R", 4)], "",
     ),
 }  # fmt: skip
 

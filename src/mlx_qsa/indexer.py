@@ -15,7 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import QSAConfig
-from .rope import norm, rope
+from .device_arrays import int_arange
+from .rope import norm, norm_rope, rope
 
 SQRT_128_F32 = 11.313708305358887  # float32(sqrt(128)), bits 0x413504f3
 
@@ -74,7 +75,7 @@ def prepare_queries(
 ) -> mx.array:
     """Index queries: RMSNorm (q_layernorm) then RoPE at the rows' positions (`impl`: the
     implementation of both, `rope.norm` and `rope.rope`)."""
-    return rope(norm(q_raw, norm_w, g.eps, impl), cos, sin, g.rotary_dim, impl)
+    return norm_rope(q_raw, norm_w, g.eps, cos, sin, g.rotary_dim, impl)
 
 
 def pool_blocks(
@@ -94,6 +95,14 @@ def pool_blocks(
     `first_block` may be an int32 array (compiled core: a moving scalar).
     """
     r = g.ratio
+    if impl == "cuda" and n_blocks > 0:
+        from .kernels.rms_norm import norm_rope_cuda_supports, pool_norm_rope_cuda
+
+        if norm_rope_cuda_supports(raw, norm_w, g.rotary_dim) and cos.shape[0] == n_blocks:
+            start = _block_start(first_block) if isinstance(first_block, int) else first_block
+            return pool_norm_rope_cuda(
+                raw, start.reshape(1), r, norm_w, g.eps, cos, sin, g.rotary_dim
+            )
     if isinstance(first_block, int):
         rows = raw[:, first_block * r : (first_block + n_blocks) * r, :]
     else:
@@ -110,6 +119,13 @@ def pool_blocks(
         acc = acc + part
     mean = (acc / r).astype(raw.dtype)
     return rope(norm(mean, norm_w, g.eps, impl), cos, sin, g.rotary_dim, impl)
+
+
+@lru_cache(maxsize=64)
+def _block_start(first_block: int) -> mx.array:
+    """The first block as the pooling kernel's int32 `[1]` input, made once per value (on the
+    device, past MLX's 8-byte pool: `device_arrays`)."""
+    return int_arange(first_block, first_block + 1)
 
 
 @lru_cache(maxsize=64)

@@ -35,9 +35,8 @@ from .indexer import (
 )
 from .kernels import resolve_impl
 from .rope import (
-    norm,
+    norm_rope,
     prepare_device_constants,
-    rope,
     rope_tables,
     text_positions,
     text_rope,
@@ -661,17 +660,18 @@ def _qk_prep(
     `[1, heads, S, d]`, the output gate's logits `[1, S, heads, d]` (`impl`: the
     implementation of the norms and the RoPE, `rope.norm` and `rope.rope`)."""
 
+    heads_first = (0, 2, 1, 3)
+
     def k_part(k_lin, k_w, cos, sin):
         S = k_lin.shape[1]
-        k = norm(k_lin.reshape(1, S, kv_heads, head_dim), k_w, eps, impl)
-        return rope(k.transpose(0, 2, 1, 3), cos, sin, rotary_dim, impl)
+        k = k_lin.reshape(1, S, kv_heads, head_dim)
+        return norm_rope(k, k_w, eps, cos, sin, rotary_dim, impl, heads_first)
 
     def both(q_lin, k_lin, q_w, k_w, cos, sin):
         S = q_lin.shape[1]
         # q_proj's rows are (query, gate) per head: one reshape and one split (views) for both
         q_half, gate = mx.split(q_lin.reshape(1, S, n_heads, 2, head_dim), 2, axis=3)
-        q = norm(q_half.squeeze(3), q_w, eps, impl)
-        q = rope(q.transpose(0, 2, 1, 3), cos, sin, rotary_dim, impl)
+        q = norm_rope(q_half.squeeze(3), q_w, eps, cos, sin, rotary_dim, impl, heads_first)
         return q, k_part(k_lin, k_w, cos, sin), gate.squeeze(3)
 
     def only_k(k_lin, k_w, cos, sin):

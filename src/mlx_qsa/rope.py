@@ -165,6 +165,30 @@ def norm(x: mx.array, weight: mx.array, eps: float, impl: str) -> mx.array:
     return rms_norm(x, weight, eps)
 
 
+def norm_rope(
+    x: mx.array,
+    weight: mx.array,
+    eps: float,
+    cos: mx.array,
+    sin: mx.array,
+    rotary_dim: int,
+    impl: str,
+    transpose: tuple[int, ...] | None = None,
+) -> mx.array:
+    """`rope(rms_norm(x).transpose(transpose), cos, sin, rotary_dim)`: query preparation. With
+    "cuda", one kernel (kernels/rms_norm.py) where it covers the call, one primitive instead
+    of ~6; otherwise `norm` then `rope`. The norm is per row, so the kernel reads x through the
+    transposed view; the same bits either way."""
+    if impl == "cuda":
+        from .kernels.rms_norm import norm_rope_cuda, norm_rope_cuda_supports
+
+        view = x if transpose is None else x.transpose(transpose)
+        if norm_rope_cuda_supports(view, weight, rotary_dim):
+            return norm_rope_cuda(view, weight, eps, cos, sin, rotary_dim)
+    y = norm(x, weight, eps, impl)
+    return rope(y if transpose is None else y.transpose(transpose), cos, sin, rotary_dim, impl)
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """Plain-weight RMSNorm: `bf16(x / sqrt(mean(x^2) + eps)) * w` (MLX order, QSA.md §3).
 
