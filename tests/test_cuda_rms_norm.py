@@ -111,6 +111,9 @@ def test_rms_norm_cuda_argument_errors() -> None:
         rms_norm_cuda(x.astype(mx.int32), w, 1e-6)
     with pytest.raises(ValueError, match="eps must be positive"):
         rms_norm_cuda(x, w, 0.0)
+    with pytest.raises(ValueError, match="2-8 dims"):
+        rms_norm_cuda(w, w, 1e-6)  # 1-D: MLX sums it with all_reduce, in another order
+    assert not rms_norm_cuda_supports(w, w)
 
 
 def test_eps_bits_and_widths() -> None:

@@ -27,15 +27,16 @@ _MAX_RD = 128  # RoPE partners within the row's first 128 channels
 
 def rms_norm_cuda_supports(x: mx.array, weight: mx.array) -> bool:
     """Whether the kernel covers `rms_norm(x, weight, eps)` on MLX's GPU (sm_80 or newer): x of
-    1-8 dims in bfloat16, float16 or float32 with its last axis in WIDTHS, a weight vector of
-    that length (decided once per shape)."""
+    2-8 dims in bfloat16, float16 or float32 with its last axis in WIDTHS, a weight vector of
+    that length (decided once per shape). A 1-D x is left to MLX: its sum reduces every axis,
+    which MLX does in another order (all_reduce)."""
     return _supports(x.ndim, x.dtype, weight.ndim, weight.dtype, x.shape[-1], weight.shape[0], 0)
 
 
 def norm_rope_cuda_supports(x: mx.array, weight: mx.array, rotary_dim: int) -> bool:
-    """The same for `rope(rms_norm(x, ...), cos, sin, rotary_dim)`: also x of at least 2 dims
-    and rotary_dim a multiple of 8, at most 128."""
-    return x.ndim >= 2 and _supports(
+    """The same for `rope(rms_norm(x, ...), cos, sin, rotary_dim)`: also rotary_dim a multiple
+    of 8, at most 128."""
+    return _supports(
         x.ndim, x.dtype, weight.ndim, weight.dtype, x.shape[-1], weight.shape[0], rotary_dim
     )
 
@@ -46,7 +47,7 @@ def _supports(ndim, dtype, w_ndim, w_dtype, width, w_len, rotary_dim) -> bool:
     return (
         limits is not None
         and device.kernels_unsupported(limits) is None
-        and 1 <= ndim <= 8
+        and 2 <= ndim <= 8
         and dtype in _DTYPES
         and w_ndim == 1
         and w_dtype in _DTYPES
@@ -139,8 +140,8 @@ def _plan_rows(
 ) -> _launch.Run:
     """Checks a call's arguments and plans its launch (once per signature)."""
     _launch.require_cuda(fn)
-    if not (2 if cos is not None else 1) <= x.ndim <= 8:
-        raise ValueError(f"{fn}: x must be [..., D] with up to 8 dims, got {list(x.shape)}")
+    if not 2 <= x.ndim <= 8:
+        raise ValueError(f"{fn}: x must be [..., D] with 2-8 dims, got {list(x.shape)}")
     _launch.check_dtype(fn, "x", x, _DTYPES)
     width = x.shape[-1]
     _check(fn, width, weight, eps)
