@@ -124,9 +124,22 @@ def _check_tables(fn: str, n: int, cos: mx.array, sin: mx.array, rotary_dim: int
         _launch.check_dtype(fn, name, t, (mx.float32,))
 
 
-def _launch_shape(rows: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+def _runner(kernel, template: list, shape: tuple, dtype, rows: int) -> _launch.Run:
+    """A planned launch: one warp per row (of `rows`), grid-stride past _MAX_CTAS CTAs, one
+    output of `shape` and `dtype`; called with the kernel's input arrays."""
     n_cta = max(1, min(_MAX_CTAS, -(-rows // (_NT // 32))))
-    return (n_cta * _NT, 1, 1), (_NT, 1, 1)
+
+    def run(*arrays: mx.array) -> mx.array:
+        return kernel(
+            inputs=list(arrays),
+            template=template,
+            grid=(n_cta * _NT, 1, 1),
+            threadgroup=(_NT, 1, 1),
+            output_shapes=[shape],
+            output_dtypes=[dtype],
+        )[0]
+
+    return run
 
 
 def _plan_rows(
@@ -153,20 +166,7 @@ def _plan_rows(
         inputs, section = ("x", "weight", "cos_t", "sin_t"), "norm_core+rope_core+rows_in+norm_rope"
         template.append(("RD", rotary_dim))
     kernel = _launch.build("rms_norm.cu", section, inputs, ("out",), ())
-    shape, dtype = x.shape, x.dtype
-    grid, block = _launch_shape(math.prod(shape[:-1]))
-
-    def run(*arrays: mx.array) -> mx.array:
-        return kernel(
-            inputs=list(arrays),
-            template=template,
-            grid=grid,
-            threadgroup=block,
-            output_shapes=[shape],
-            output_dtypes=[dtype],
-        )[0]
-
-    return run
+    return _runner(kernel, template, x.shape, x.dtype, math.prod(x.shape[:-1]))
 
 
 def _plan_pool(
@@ -206,17 +206,4 @@ def _plan_pool(
         ("out",),
         (),
     )
-    shape, dtype = (1, n, width), raw.dtype
-    grid, block = _launch_shape(n)
-
-    def run(*arrays: mx.array) -> mx.array:
-        return kernel(
-            inputs=list(arrays),
-            template=template,
-            grid=grid,
-            threadgroup=block,
-            output_shapes=[shape],
-            output_dtypes=[dtype],
-        )[0]
-
-    return run
+    return _runner(kernel, template, (1, n, width), raw.dtype, n)
