@@ -46,6 +46,15 @@ auto norm_row = [&](float (&v)[K][4]) {
     }
   }
 };
+// the row's values as T into row r of the row-contiguous output
+auto store_row = [&](const float (&v)[K][4], long long r) {
+  T* o = out + r * D;
+#pragma unroll
+  for (int b = 0; b < K; ++b) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[b * 128 + 4 * lane + i] = T(v[b][i]);
+  }
+};
 //// kernel: rope_core
 // Rotate-half RoPE of channels < RD of the row held in v (rope.cu's bits: each product rounded
 // to float32, one rounded add or subtract), table row j. Channel c's partner c +- RD/2 sits
@@ -88,14 +97,6 @@ auto load_row = [&](float (&v)[K][4], long long r, long long& j) {
       v[b][i] = static_cast<float>(x[off + (b * 128 + 4 * lane + i) * cstride]);
   }
 };
-auto store_row = [&](const float (&v)[K][4], long long r) {
-  T* o = out + r * D;
-#pragma unroll
-  for (int b = 0; b < K; ++b) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o[b * 128 + 4 * lane + i] = T(v[b][i]);
-  }
-};
 //// kernel: rms_norm
 // x [..., D] (any strides), weight [D] (any dtype and stride) -> out [..., D] of type T,
 // row-contiguous: rms_norm(x, weight, eps).
@@ -126,7 +127,6 @@ const long long n_blocks = cos_t_shape[0];
 const long long rs = raw_strides[1];
 const long long cs = raw_strides[2];
 const long long b0 = start[0];
-T* const out_base = out;
 for (long long jb = first_row; jb < n_blocks; jb += row_step) {
   float v[K][4];
   const T* rowp = raw + (b0 + jb) * R * rs;
@@ -143,10 +143,5 @@ for (long long jb = first_row; jb < n_blocks; jb += row_step) {
   }
   norm_row(v);
   rope_row(v, jb);
-  T* o = out_base + jb * D;
-#pragma unroll
-  for (int b = 0; b < K; ++b) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o[b * 128 + 4 * lane + i] = T(v[b][i]);
-  }
+  store_row(v, jb);
 }
