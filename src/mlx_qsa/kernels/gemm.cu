@@ -348,23 +348,30 @@ __device__ __forceinline__ void qsa_store_wgmma_acc(__nv_bfloat16* y, const __nv
       });
 }
 
-// The TMA-store epilogue's half: the same pairs into the block's staging tile in shared memory.
-// The tile is TN/64 boxes of [TM rows x 128 bytes] with the 128-byte swizzle (the layout the
-// store's tensor map reads); the eight rows of one store instruction land in eight different
-// 16-byte chunks, so its 32 lanes hit 32 banks. row0, lcol0: the warp's first row and column
-// inside the tile; gcol0: that column in y (bias). Rows and columns past M and N are staged
-// too; the TMA store clips them.
-template <int MI, int NN, int TM>
-__device__ __forceinline__ void qsa_stage_wgmma_acc(unsigned c_base, const __nv_bfloat16* b,
-                                                    int N, int row0, int lcol0, int gcol0,
-                                                    int lane, float (&acc)[MI][NN / 2]) {
+// The TMA-store epilogue's half: the same pairs into shared memory, in the layout the store's
+// tensor map reads: 64-column boxes of [TM rows x 128 bytes] with the 128-byte swizzle. The
+// eight rows of one store instruction land in eight different 16-byte chunks, so its 32 lanes
+// hit 32 banks. Only boxes [box_lo, box_hi) are staged (one round): box box_lo + r goes to
+// offset (r % BPS) boxes into ring stage `base0` (r < BPS) or `base1`. row0, lcol0: the warp's
+// first row and column inside the tile; gcol0: that column in y (bias). Rows and columns past
+// M and N are staged too; the TMA store clips them.
+template <int MI, int NN, int TM, int BPS>
+__device__ __forceinline__ void qsa_stage_wgmma_acc(unsigned base0, unsigned base1, int box_lo,
+                                                    int box_hi, const __nv_bfloat16* b, int N,
+                                                    int row0, int lcol0, int gcol0, int lane,
+                                                    float (&acc)[MI][NN / 2]) {
   qsa_wgmma_epilogue<MI, NN>(
       b, N, gcol0, lane, acc, [&](int r, int c, __nv_bfloat162 bias, float v0, float v1) {
         const int row = row0 + r;
         const int col = lcol0 + c;
-        const unsigned addr = c_base + static_cast<unsigned>((col >> 6) * (TM * 128)) +
-                              qsa_swz(row, (col & 63) >> 3) +
-                              static_cast<unsigned>((col & 7) * 2);
+        const int box = (col >> 6) - box_lo;
+        if (box < 0 || box >= box_hi - box_lo) {
+          return;
+        }
+        const unsigned base = box < BPS ? base0 + static_cast<unsigned>(box * TM * 128)
+                                        : base1 + static_cast<unsigned>((box - BPS) * TM * 128);
+        const unsigned addr =
+            base + qsa_swz(row, (col & 63) >> 3) + static_cast<unsigned>((col & 7) * 2);
         const __nv_bfloat162 v = qsa_bias_pair(bias, v0, v1);
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr),
                      "r"(*reinterpret_cast<const unsigned*>(&v))
@@ -627,33 +634,27 @@ __device__ __forceinline__ void qsa_mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
-// Spins until the phase of parity `parity` of the barrier has completed; CLUSTER_SCOPE acquires
-// at cluster scope (for barriers the other CTA of a cluster also arrives on).
-template <bool CLUSTER_SCOPE = false>
+// `count` arrivals at once (one thread standing in for `count` warps).
+__device__ __forceinline__ void qsa_mbar_arrive_n(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count)
+               : "memory");
+}
+
+// Spins until the phase of parity `parity` of the barrier has completed (acquire at CTA scope,
+// also for the barriers the other CTA of a cluster arrives on: those arrivals only say that a
+// stage's reads are done, and the TMA writes that follow are ordered by the barrier itself).
 __device__ __forceinline__ void qsa_mbar_wait(unsigned bar, unsigned parity) {
   unsigned done;
   do {
-    if constexpr (CLUSTER_SCOPE) {
-      asm volatile(
-          "{\n"
-          ".reg .pred p;\n"
-          "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-          "selp.u32 %0, 1, 0, p;\n"
-          "}\n"
-          : "=r"(done)
-          : "r"(bar), "r"(parity)
-          : "memory");
-    } else {
-      asm volatile(
-          "{\n"
-          ".reg .pred p;\n"
-          "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-          "selp.u32 %0, 1, 0, p;\n"
-          "}\n"
-          : "=r"(done)
-          : "r"(bar), "r"(parity)
-          : "memory");
-    }
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
   } while (!done);
 }
 
@@ -680,11 +681,22 @@ __device__ __forceinline__ void qsa_tma_load_2d_multicast(unsigned dst, const vo
       : "memory");
 }
 
-// Arrival on the barrier at offset `bar` of CTA `cta` of this cluster.
+// Arrival on the barrier at offset `bar` of CTA `cta` of this cluster, with the default
+// (CTA-scope) release: a consumer only read the stage, through wgmma, and has waited for those
+// reads. A cluster-scope release made every consumer warp wait on a memory barrier once per
+// k-slice (Nsight Compute, H100: 40 % of the cluster kernels' stall cycles).
 __device__ __forceinline__ void qsa_mbar_arrive_remote(unsigned bar, unsigned cta) {
   unsigned remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+
+// `count` arrivals on the barrier at offset `bar` of CTA `cta` of this cluster.
+__device__ __forceinline__ void qsa_mbar_arrive_remote_n(unsigned bar, unsigned cta,
+                                                         unsigned count) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0], %1;\n" ::"r"(remote), "r"(count)
                : "memory");
 }
 
@@ -759,11 +771,13 @@ __device__ __forceinline__ void qsa_tmap_publish(const unsigned long long* tmpl,
 // the consumers of both CTAs have released it (each consumer warp arrives on both CTAs' empty
 // barriers), and neither CTA exits while the other may still arrive on its barriers.
 // TMA_STORE = 1 (families "tma_st" and "tma_mc_st"): the consumers stage each finished tile (plus
-// bias, as bf16) in shared memory behind the ring and one thread hands it to the TMA unit as
-// TN/64 box stores through a third tensor map (y's), then the warpgroups go straight on to the
-// next tile's k-slices while the store drains; the staging tile is rewritten only after that
-// thread's previous store has finished reading it. TMA_STORE = 0 stores from the accumulator
-// registers to y directly (pairs of bf16 per thread).
+// bias, as bf16) in shared memory and one thread hands it to the TMA unit as TN/64 box stores
+// through a third tensor map (y's), then the warpgroups go straight on to the next tile's
+// k-slices while the store drains. The staging space is the ring itself: the stages of the
+// tile's last k-slices (two for a 192x192 tile), which the consumers keep until the stores have
+// read them, so the ring is as deep as without the TMA store (cuBLASLt's 192x192 kernel runs
+// four stages; a separate staging tile left room for three). TMA_STORE = 0 stores from the
+// accumulator registers to y directly (pairs of bf16 per thread).
 template <int TM, int TN, int TK, int WARPS, int WALK_M, int STAGES, int LAYOUT_M,
           int PRODUCER_REGS, int CONSUMER_REGS, int CLUSTER, int TMA_STORE>
 __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_bfloat16* w,
@@ -783,15 +797,20 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   constexpr int B_ROWS = TN / CLUSTER;  // W rows this CTA loads per stage
   static_assert(TMA_STORE == 0 || TN % 64 == 0, "the TMA store writes 64-column boxes");
   constexpr int NMAPS = TMA_STORE ? 3 : 2;  // x, W (and y)
-  constexpr int C_BYTES = TMA_STORE ? TM * TN * 2 : 0;
+  // TMA_STORE: the finished tile is staged in the ring itself, in the stages of the tile's last
+  // HOLD k-slices, which the consumers keep instead of handing back (BPS boxes a stage).
+  constexpr int BOXES = TN / 64;
+  constexpr int BPS = STAGE_BYTES / (TM * 128);
+  constexpr int HOLD_NEED = BPS > 0 ? (BOXES + BPS - 1) / BPS : 1;
+  constexpr int HOLD_MAX = HOLD_NEED < 2 ? HOLD_NEED : 2;
+  static_assert(TMA_STORE == 0 || BPS >= 1, "a ring stage holds at least one box of the tile");
 
   extern __shared__ unsigned char qsa_smem[];
   const unsigned raw = qsa_smem_u32(qsa_smem);
   const unsigned smem0 = (raw + 1023u) & ~1023u;
-  // After the ring: the staging tile (TMA_STORE), NMAPS 128-byte tensor maps, then full[STAGES]
-  // and empty[STAGES]. The staging tile's boxes start 1024-byte aligned, as the swizzle needs.
-  const unsigned c_base = smem0 + static_cast<unsigned>(STAGES * STAGE_BYTES);
-  const unsigned maps_u32 = c_base + static_cast<unsigned>(C_BYTES);
+  // After the ring (stages and boxes start 1024-byte aligned, as the swizzle needs): NMAPS
+  // 128-byte tensor maps, then full[STAGES] and empty[STAGES].
+  const unsigned maps_u32 = smem0 + static_cast<unsigned>(STAGES * STAGE_BYTES);
   unsigned long long* maps_s =
       reinterpret_cast<unsigned long long*>(qsa_smem + (maps_u32 - raw));
   const unsigned full0 = maps_u32 + 128u * NMAPS;
@@ -864,7 +883,7 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
         coords(t, m0, n0);
         for (int kt = 0; kt < KT; ++kt) {
           // A fresh barrier counts as having completed the phase before its first.
-          qsa_mbar_wait<CLUSTER == 2>(empty0 + 8u * s, phase ^ 1u);
+          qsa_mbar_wait(empty0 + 8u * s, phase ^ 1u);
           const unsigned full = full0 + 8u * s;
           // Own x tile plus the whole W tile (with CLUSTER = 2, half of it from the other CTA).
           qsa_mbar_expect_tx(full, STAGE_BYTES);
@@ -924,6 +943,34 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   int s = 0;
   unsigned phase = 0;
   float acc[MI][WG_TN / 2];
+  // TMA_STORE: the stages of a tile's last `hold` k-slices stay with the consumers and receive
+  // the staged tile; held0 / held1 are those of the previous tile, still being read by its
+  // stores. The store-issuing thread hands them back (for every consumer warp, and in a
+  // cluster to both CTAs' producers) once its stores have read them: after the next tile's
+  // first k-slice is issued, where that wait costs nothing, unless the ring has no other stage
+  // to load that k-slice into (STAGES == hold), then at once.
+  const int hold = TMA_STORE ? (KT < HOLD_MAX ? KT : HOLD_MAX) : 0;
+  const bool defer = STAGES > hold;
+  int held0 = -1;
+  int held1 = -1;
+  auto release_held = [&]() {
+    if (tid == 0) {
+      qsa_bulk_wait_all<true>();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int st = h == 0 ? held0 : held1;
+        if (st >= 0) {
+          qsa_mbar_arrive_n(empty0 + 8u * st, WARPS);
+          if constexpr (CLUSTER == 2) {
+            qsa_mbar_arrive_remote_n(empty0 + 8u * st, static_cast<unsigned>(rank ^ 1), WARPS);
+          }
+        }
+      }
+    }
+    __syncwarp();
+    held0 = -1;
+    held1 = -1;
+  };
   for (int t = unit0; t < tiles; t += units) {
     int m0, n0;
     coords(t, m0, n0);
@@ -940,9 +987,15 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
       const unsigned a_base = smem0 + static_cast<unsigned>(s * STAGE_BYTES);
       const unsigned b_base = a_base + STAGE_A;
       qsa_wgmma_kslice<TM, TN, TK, MI, WG_TN>(acc, a_base, b_base, wg_m * WG_TM, wg_n * WG_TN);
-      // The group of the previous k-slice has finished reading its stage: hand it back.
+      if constexpr (TMA_STORE) {
+        if (kt == 0 && held0 >= 0) {
+          release_held();
+        }
+      }
+      // The group of the previous k-slice has finished reading its stage: hand it back, unless
+      // it is one the epilogue keeps.
       qsa_wgmma_wait<1>();
-      if (prev >= 0) {
+      if (prev >= 0 && kt - 1 < KT - hold) {
         release(prev);
       }
       prev = s;
@@ -952,7 +1005,7 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
       }
     }
     qsa_wgmma_wait<0>();
-    if (prev >= 0) {
+    if (prev >= 0 && hold == 0) {
       release(prev);
     }
 #pragma unroll
@@ -963,23 +1016,42 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
       }
     }
     if constexpr (TMA_STORE) {
-      if (tid == 0) {
-        qsa_bulk_wait_all<true>();  // the previous tile's store has read the staging tile
-      }
-      qsa_consumer_sync<WARPS * 32>();
-      qsa_stage_wgmma_acc<MI, WG_TN, TM>(c_base, b, N, wg_m * WG_TM + wq * 16 + (lane >> 2),
-                                         wg_n * WG_TN, n0 + wg_n * WG_TN, lane, acc);
-      qsa_fence_proxy_async();  // the staged tile, written by the generic proxy, for the TMA unit
-      qsa_consumer_sync<WARPS * 32>();
-      if (tid == 0) {
-#pragma unroll
-        for (int box = 0; box < TN / 64; ++box) {
-          if (n0 + box * 64 < N && m0 < M) {  // a pair's second tile may lie below M
-            qsa_tma_store_2d(map_y, c_base + static_cast<unsigned>(box * TM * 128), n0 + box * 64,
-                             m0);
-          }
+      // Boxes go in rounds of hold·BPS (one round unless K is a single k-slice): box lo + r
+      // into stage h0 (r < BPS) or h1.
+      const int h0 = hold == 2 ? (prev + STAGES - 1) % STAGES : prev;
+      const int h1 = prev;
+      const unsigned base0 = smem0 + static_cast<unsigned>(h0 * STAGE_BYTES);
+      const unsigned base1 = smem0 + static_cast<unsigned>(h1 * STAGE_BYTES);
+      const int cap = hold * BPS;
+      for (int lo = 0; lo < BOXES; lo += cap) {
+        const int hi = lo + cap < BOXES ? lo + cap : BOXES;
+        if (lo > 0 && tid == 0) {
+          qsa_bulk_wait_all<true>();  // the last round's stores have read the stages
         }
-        qsa_bulk_commit();
+        // Every warpgroup's wgmma reads of the held stages are done (and the stores' reads).
+        qsa_consumer_sync<WARPS * 32>();
+        qsa_fence_proxy_async();  // generic writes where the async proxy wrote and read
+        qsa_stage_wgmma_acc<MI, WG_TN, TM, BPS>(base0, base1, lo, hi, b, N,
+                                                wg_m * WG_TM + wq * 16 + (lane >> 2),
+                                                wg_n * WG_TN, n0 + wg_n * WG_TN, lane, acc);
+        qsa_fence_proxy_async();  // the staged boxes, written by the generic proxy, for the TMA unit
+        qsa_consumer_sync<WARPS * 32>();
+        if (tid == 0) {
+          for (int box = lo; box < hi; ++box) {
+            const int r = box - lo;
+            const unsigned src = r < BPS ? base0 + static_cast<unsigned>(r * TM * 128)
+                                         : base1 + static_cast<unsigned>((r - BPS) * TM * 128);
+            if (n0 + box * 64 < N && m0 < M) {  // a pair's second tile may lie below M
+              qsa_tma_store_2d(map_y, src, n0 + box * 64, m0);
+            }
+          }
+          qsa_bulk_commit();
+        }
+      }
+      held0 = h0;
+      held1 = hold == 2 ? h1 : -1;
+      if (!defer) {
+        release_held();
       }
     } else {
       qsa_store_wgmma_acc<MI, WG_TN>(y, b, M, N, m0 + wg_m * WG_TM + wq * 16 + (lane >> 2),

@@ -8,8 +8,8 @@ Tiles whose warps form whole warpgroups run on `wgmma` (sm_90a); the others run 
 Family `tma` is the Hopper design: a persistent grid (one block per SM), one producer warp
 feeding TMA tile loads through mbarriers to `warps` consumer warps on wgmma (gemm.cu); family
 `tma_mc` runs it in clusters of two blocks that share each W tile by TMA multicast; family
-`tma_st` stages each finished tile in shared memory and writes it with TMA stores, so the
-consumers start the next tile while the store drains; `tma_mc_st` is both.
+`tma_st` stages each finished tile in the ring's last stages and writes it with TMA stores, so
+the consumers start the next tile while the store drains; `tma_mc_st` is both.
 
 `plan_gemm` and `tile_coords` are pure; MLX is imported only where arrays are made, so that
 `mlx_qsa.sweep` can set MLX's precision variables before MLX loads.
@@ -46,11 +46,10 @@ def _tma_maps(tma_store: bool) -> int:
     return 3 if tma_store else 2
 
 
-def _tma_extra(tm: int, tn: int, tma_store: bool) -> int:
-    """Shared memory beside the TMA ring: the TMA store's staging tile [TM, TN] bf16, the
-    tensor maps, the barriers."""
-    staging = tm * tn * 2 if tma_store else 0
-    return staging + _tma_maps(tma_store) * TMA_MAP_BYTES + TMA_BARRIER_BYTES
+def _tma_extra(tma_store: bool) -> int:
+    """Shared memory beside the TMA ring: the tensor maps and the barriers (the TMA store
+    stages its tile in the ring's last stages)."""
+    return _tma_maps(tma_store) * TMA_MAP_BYTES + TMA_BARRIER_BYTES
 
 
 TMA_MAX_BOX_ROWS = 256
@@ -106,19 +105,13 @@ class GemmPlan:
         return (tm + tn) * tk * 2
 
     @property
-    def staging_bytes(self) -> int:
-        """The TMA store's staging tile [TM, TN] bf16 behind the ring (0 without it)."""
-        return self.tile[0] * self.tile[1] * 2 if self.tma_store else 0
-
-    @property
     def maps(self) -> int:
         """Tensor maps the kernel publishes per block: x, W (and y for the TMA store)."""
         return _tma_maps(self.tma_store) if self.tma else 0
 
     @property
     def shared_memory(self) -> int:
-        tm, tn, _ = self.tile
-        extra = _tma_extra(tm, tn, self.tma_store) if self.tma else 0
+        extra = _tma_extra(self.tma_store) if self.tma else 0
         return self.stages * self.stage_bytes + SMEM_ALIGN_PAD + extra
 
     @property
@@ -352,7 +345,7 @@ def _plan_tma(
         stages,
         least=2,
         default_cap=MAX_STAGES_TMA,
-        extra=_tma_extra(tm, tn, tma_store),
+        extra=_tma_extra(tma_store),
     )
     groups = warps // 4
     acc = (tm // layout // 64) * (tn // (groups // layout) // 2)
