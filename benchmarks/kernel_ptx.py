@@ -1,6 +1,7 @@
 """PTX of the decode/prefill kernels as `mx.fast.cuda_kernel` would build them, without a GPU:
-the header (common.cuh) and the sections of each `.cu`, behind MLX's generated signature (a
-stand-in `Shape`/`Strides`), compiled by nvcc for sm_90a with comments stripped. Two trees'
+the header (common.cuh, where the body uses it) and the sections of each `.cu`, behind MLX's
+generated signature (a stand-in `Shape`/`Strides`), compiled by nvcc for sm_90a with comments
+stripped. Two trees'
 outputs compared line by line show whether a source change altered any kernel's code.
 
     python3 benchmarks/kernel_ptx.py OUT_DIR          # then: diff -r OUT_A OUT_B
@@ -16,7 +17,7 @@ import re
 import subprocess
 import sys
 
-from mlx_qsa.kernels._launch import common_header, kernel_sections
+from mlx_qsa.kernels._launch import header_for, kernel_sections
 
 _PRE = (
     "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n"
@@ -134,7 +135,7 @@ def source(filename, section, inputs, outputs, template, prefix) -> str:
         for k, v in template
     )
     return (
-        _PRE + common_header() + "namespace mlx::core::cu {\n__global__ void kernel("
+        _PRE + header_for(body) + "namespace mlx::core::cu {\n__global__ void kernel("
         + ", ".join(params) + ") {\n" + consts + body + "\n}\n}\n"
     )  # fmt: skip
 

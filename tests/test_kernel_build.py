@@ -90,3 +90,20 @@ def test_compacted_sources_compile_to_the_same_ptx(tmp_path, monkeypatch):
     assert compacted.keys() == full.keys()
     for name in compacted:
         assert compacted[name] == full[name], name
+
+
+def test_common_header_only_for_bodies_that_use_it():
+    # MLX copies and hashes the header with every call: the RoPE and RMSNorm kernels, which use
+    # nothing of common.cuh, go without it; the kernels that do (qsa::) keep it.
+    from mlx_qsa.kernels import _launch
+
+    header = _launch.common_header()
+    assert "namespace qsa" in header
+    for filename in ("rope.cu", "rms_norm.cu"):
+        for name, body in _launch.kernel_sections(filename).items():
+            assert _launch.header_for(body) == "", (filename, name)
+    for filename in ("selector.cu", "flash_decode.cu", "rows_gather.cu", "split_k_merge.cu"):
+        bodies = _launch.kernel_sections(filename).values()
+        assert any(_launch.header_for(body) == header for body in bodies), filename
+    assert _launch.header_for("x = qsa::neg_inf();") == header
+    assert _launch.header_for("x = 1.0f;") == ""
