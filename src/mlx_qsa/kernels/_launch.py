@@ -230,6 +230,24 @@ class Plans:
         return run
 
 
+def single_output(kernel, template: list, shape: tuple, dtype, n_cta: int, threads: int) -> Run:
+    """The run of a kernel with one output of `shape` and `dtype` over `n_cta` CTAs of
+    `threads`: called with the kernel's input arrays."""
+    grid, block = (n_cta * threads, 1, 1), (threads, 1, 1)
+
+    def run(*arrays: mx.array) -> mx.array:
+        return kernel(
+            inputs=list(arrays),
+            template=template,
+            grid=grid,
+            threadgroup=block,
+            output_shapes=[shape],
+            output_dtypes=[dtype],
+        )[0]
+
+    return run
+
+
 def signature(arrays: tuple, *options) -> tuple:
     """What a plan depends on: each array's shape and dtype, and the options."""
     return tuple((a.shape, a.dtype) for a in arrays) + options

@@ -125,21 +125,9 @@ def _check_tables(fn: str, n: int, cos: mx.array, sin: mx.array, rotary_dim: int
 
 
 def _runner(kernel, template: list, shape: tuple, dtype, rows: int) -> _launch.Run:
-    """A planned launch: one warp per row (of `rows`), grid-stride past _MAX_CTAS CTAs, one
-    output of `shape` and `dtype`; called with the kernel's input arrays."""
+    """A planned launch: one warp per row (of `rows`), grid-stride past _MAX_CTAS CTAs."""
     n_cta = max(1, min(_MAX_CTAS, -(-rows // (_NT // 32))))
-
-    def run(*arrays: mx.array) -> mx.array:
-        return kernel(
-            inputs=list(arrays),
-            template=template,
-            grid=(n_cta * _NT, 1, 1),
-            threadgroup=(_NT, 1, 1),
-            output_shapes=[shape],
-            output_dtypes=[dtype],
-        )[0]
-
-    return run
+    return _launch.single_output(kernel, template, shape, dtype, n_cta, _NT)
 
 
 def _plan_rows(

@@ -70,16 +70,6 @@ def _plan(fn: str, x: mx.array, cos: mx.array, sin: mx.array, rotary_dim: int) -
     kernel = _launch.build("rope.cu", "rope", ("x", "cos_t", "sin_t"), ("out",), ())
     shape, dtype = x.shape, x.dtype
     n_cta = max(1, min(_MAX_CTAS, -(-math.prod(shape) // _NT)))
-    template = [("T", dtype), ("RD", rotary_dim)]
-
-    def run(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-        return kernel(
-            inputs=[x, cos, sin],
-            template=template,
-            grid=(n_cta * _NT, 1, 1),
-            threadgroup=(_NT, 1, 1),
-            output_shapes=[shape],
-            output_dtypes=[dtype],
-        )[0]
-
-    return run
+    return _launch.single_output(
+        kernel, [("T", dtype), ("RD", rotary_dim)], shape, dtype, n_cta, _NT
+    )
