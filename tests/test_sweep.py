@@ -11,6 +11,7 @@ import pytest
 
 from mlx_qsa import sweep
 from mlx_qsa.cli import main
+from mlx_qsa.kernels import gemm
 from mlx_qsa.kernels.gemm import MAX_DYNAMIC_SMEM, kernel_text, plan_gemm, tile_coords
 
 FIXTURE = Path(__file__).parent / "data" / "qkv_tile_sweep_m5pro.json"
@@ -331,6 +332,12 @@ def test_tma_store_plans():
     assert "_c2_st" in both.label
     header, body = kernel_text(st)
     assert "TMA_STORE" in body and header.rstrip().endswith("__launch_bounds__(384, 1)")
+    # The text MLX copies and hashes per call carries no comments or indentation: fewer bytes
+    # than gemm.cu's own header, the same kernels.
+    source = gemm.SOURCE_PATH.read_text()
+    assert "//" not in header and "//" not in body and "\n " not in header
+    assert len(header) < 0.75 * len(source.partition(gemm.BODY_MARKER)[0])
+    assert "qsa_gemm_tma<TM, TN, TK, WARPS" in body.replace("\n", " ")
 
 
 def test_cluster_launch_needs_cuda_graphs_off():

@@ -282,6 +282,14 @@ def plan_gemm(
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _cached_plan(
+    tile: tuple, warps: int, walk_m: int, stages: int | None, family: str, smem: int
+) -> GemmPlan:
+    """`plan_gemm` once per configuration (a call of `gemm_bias` would spend ~9 µs on it)."""
+    return plan_gemm(tile, warps, walk_m, stages=stages, family=family, smem_limit=smem)
+
+
 def _stages(
     tile: tuple[int, int, int],
     stages: int | None,
@@ -390,13 +398,16 @@ def tile_coords(pid: int, tiles_m: int, tiles_n: int, walk_m: int) -> tuple[int,
 
 @functools.cache
 def _source() -> tuple[str, str, str]:
-    """(header, cp.async body, tma body) of gemm.cu, read once."""
+    """(header, cp.async body, tma body) of gemm.cu, read once, without comments or indentation
+    (`_launch.compact`: MLX copies and hashes the whole text on every call, 51 KB as written)."""
+    from mlx_qsa.kernels._launch import compact
+
     text = SOURCE_PATH.read_text()
     header, sep, bodies = text.partition(BODY_MARKER + "\n")
     body, sep2, body_tma = bodies.partition(TMA_BODY_MARKER + "\n")
     if not sep or not sep2:
         raise RuntimeError(f"{SOURCE_PATH}: missing {BODY_MARKER!r} or {TMA_BODY_MARKER!r}")
-    return header, body, body_tma
+    return compact(header), compact(body), compact(body_tma)
 
 
 def launch_bounds_header(threads: int, cluster: int = 1) -> str:
@@ -508,7 +519,7 @@ def gemm_bias(
     limits = device.current()
     family = family_for_device(family, limits)
     smem = limits.max_shared_memory if limits is not None else MAX_DYNAMIC_SMEM
-    plan = plan_gemm(tile, warps, walk_m, stages=stages, family=family, smem_limit=smem)
+    plan = _cached_plan(tuple(tile), warps, walk_m, stages, family, smem)
     if plan.cluster > 1:
         from mlx_qsa.kernels._launch import env_switch
 
