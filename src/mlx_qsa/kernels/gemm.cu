@@ -311,17 +311,27 @@ __device__ __forceinline__ void qsa_load_bias(__nv_bfloat162 (&bias)[J], const _
 // apart): warp q of the warpgroup holds rows 16q + lane/4 (+8); registers 4j..4j+3 hold columns
 // 8j + 2(lane%4) (+1), counted from the warp's first column, whose column in y is gcol0. Bias
 // pairs load CHUNK at a time ahead of their stores: one load latency per chunk, for CHUNK
-// registers. `put(r, c, bias, v0, v1)` takes each accumulator pair with its row offset r
-// (64 i + 8 h) and column offset c from the warp's first row and column.
+// registers; or, given `pre` (all NN/8 pairs, loaded by the caller before the tile's k-loop so
+// that their latency hides behind it), none. `put(r, c, bias, v0, v1)` takes each accumulator
+// pair with its row offset r (64 i + 8 h) and column offset c from the warp's first row and
+// column.
 template <int MI, int NN, typename Put>
 __device__ __forceinline__ void qsa_wgmma_epilogue(const __nv_bfloat16* b, int N, int gcol0,
-                                                   int lane, float (&acc)[MI][NN / 2], Put put) {
+                                                   int lane, float (&acc)[MI][NN / 2], Put put,
+                                                   const __nv_bfloat162* pre = nullptr) {
   constexpr int J = NN / 8;
   constexpr int CHUNK = J % 8 == 0 ? 8 : J % 6 == 0 ? 6 : J % 4 == 0 ? 4 : J;
 #pragma unroll
   for (int jc = 0; jc < J; jc += CHUNK) {
     __nv_bfloat162 bias[CHUNK];
-    qsa_load_bias(bias, b, N, gcol0 + jc * 8, lane);
+    if (pre != nullptr) {
+#pragma unroll
+      for (int jj = 0; jj < CHUNK; ++jj) {
+        bias[jj] = pre[jc + jj];
+      }
+    } else {
+      qsa_load_bias(bias, b, N, gcol0 + jc * 8, lane);
+    }
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
 #pragma unroll
@@ -341,11 +351,14 @@ __device__ __forceinline__ void qsa_wgmma_epilogue(const __nv_bfloat16* b, int N
 template <int MI, int NN>
 __device__ __forceinline__ void qsa_store_wgmma_acc(__nv_bfloat16* y, const __nv_bfloat16* b,
                                                     int M, int N, int row0, int col0, int lane,
-                                                    float (&acc)[MI][NN / 2]) {
+                                                    float (&acc)[MI][NN / 2],
+                                                    const __nv_bfloat162* pre = nullptr) {
   qsa_wgmma_epilogue<MI, NN>(
-      b, N, col0, lane, acc, [&](int r, int c, __nv_bfloat162 bias, float v0, float v1) {
+      b, N, col0, lane, acc,
+      [&](int r, int c, __nv_bfloat162 bias, float v0, float v1) {
         qsa_store_pair(y, bias, M, N, row0 + r, col0 + c, v0, v1);
-      });
+      },
+      pre);
 }
 
 // The TMA-store epilogue's half: the same pairs into shared memory, in the layout the store's
@@ -359,7 +372,8 @@ template <int MI, int NN, int TM, int BPS>
 __device__ __forceinline__ void qsa_stage_wgmma_acc(unsigned base0, unsigned base1, int box_lo,
                                                     int box_hi, const __nv_bfloat16* b, int N,
                                                     int row0, int lcol0, int gcol0, int lane,
-                                                    float (&acc)[MI][NN / 2]) {
+                                                    float (&acc)[MI][NN / 2],
+                                                    const __nv_bfloat162* pre = nullptr) {
   qsa_wgmma_epilogue<MI, NN>(
       b, N, gcol0, lane, acc, [&](int r, int c, __nv_bfloat162 bias, float v0, float v1) {
         const int row = row0 + r;
@@ -376,7 +390,8 @@ __device__ __forceinline__ void qsa_stage_wgmma_acc(unsigned base0, unsigned bas
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr),
                      "r"(*reinterpret_cast<const unsigned*>(&v))
                      : "memory");
-      });
+      },
+      pre);
 }
 
 // One thread block computes one [TM, TN] tile of y. TM, TN, TK: block tile; WARPS: warps per
@@ -943,6 +958,11 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   int s = 0;
   unsigned phase = 0;
   float acc[MI][WG_TN / 2];
+  // The tile's bias pairs, loaded before its k-loop (up to 16 registers; wider warpgroup tiles
+  // load theirs in the epilogue).
+  constexpr int JB = WG_TN / 8;
+  constexpr bool PRELOAD = JB <= 16;
+  __nv_bfloat162 bias_pre[PRELOAD ? JB : 1];
   // TMA_STORE: the stages of a tile's last `hold` k-slices stay with the consumers and receive
   // the staged tile; held0 / held1 are those of the previous tile, still being read by its
   // stores. The store-issuing thread hands them back (for every consumer warp, and in a
@@ -980,6 +1000,9 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
       for (int j = 0; j < WG_TN / 2; ++j) {
         acc[i][j] = 0.0f;
       }
+    }
+    if constexpr (PRELOAD) {
+      qsa_load_bias(bias_pre, b, N, n0 + wg_n * WG_TN, lane);
     }
     int prev = -1;
     for (int kt = 0; kt < KT; ++kt) {
@@ -1033,7 +1056,8 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
         qsa_fence_proxy_async();  // generic writes where the async proxy wrote and read
         qsa_stage_wgmma_acc<MI, WG_TN, TM, BPS>(base0, base1, lo, hi, b, N,
                                                 wg_m * WG_TM + wq * 16 + (lane >> 2),
-                                                wg_n * WG_TN, n0 + wg_n * WG_TN, lane, acc);
+                                                wg_n * WG_TN, n0 + wg_n * WG_TN, lane, acc,
+                                                PRELOAD ? bias_pre : nullptr);
         qsa_fence_proxy_async();  // the staged boxes, written by the generic proxy, for the TMA unit
         qsa_consumer_sync<WARPS * 32>();
         if (tid == 0) {
@@ -1055,7 +1079,7 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
       }
     } else {
       qsa_store_wgmma_acc<MI, WG_TN>(y, b, M, N, m0 + wg_m * WG_TM + wq * 16 + (lane >> 2),
-                                     n0 + wg_n * WG_TN, lane, acc);
+                                     n0 + wg_n * WG_TN, lane, acc, PRELOAD ? bias_pre : nullptr);
     }
   }
   if constexpr (TMA_STORE) {
