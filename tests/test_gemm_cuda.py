@@ -43,7 +43,13 @@ CONFIGS += [(t, w, 8, "auto") for t, w in EXTRA_TILES]
 CONFIGS += [((128, 128, 128), 8, 8, "mma"), ((64, 64, 128), 4, 3, "mma")]
 # Plus warpgroup N extents only the TMA family has: 64x192 and 128x192 (64x192 per warpgroup,
 # m64n192) and 192x192 (two 192x96 warpgroups, m64n96, a producer warpgroup with setmaxnreg).
-TMA_TILES = EXTRA_TILES + (((128, 192, 64), 8), ((192, 192, 64), 8), ((64, 192, 64), 4))
+# And 192x192 as three 64x192 warpgroups (12 consumer warps, m64n192).
+TMA_TILES = EXTRA_TILES + (
+    ((128, 192, 64), 8),
+    ((192, 192, 64), 8),
+    ((64, 192, 64), 4),
+    ((192, 192, 64), 12),
+)
 CONFIGS += [(t, w, g, "tma") for t, w in TMA_TILES for g in (0, 8)]
 # Clusters of two blocks sharing W tiles by multicast; M = 37, 131 and 333 leave the last pair of
 # tile rows half below M.
@@ -53,9 +59,15 @@ MC_TILES = (((128, 256, 64), 8), ((256, 128, 64), 8), ((192, 192, 64), 8), ((128
 CLUSTER_CONFIGS = [(t, w, g, "tma_mc") for t, w in MC_TILES for g in (0, 8)]
 # The TMA-store epilogue (64-column boxes, so TN a multiple of 64): M = 37, 131 and 333 and
 # N = 136, 264 and 520 leave boxes partly outside y, which the TMA unit must clip.
-ST_TILES = (((128, 256, 64), 8), ((192, 192, 64), 8), ((128, 128, 64), 4), ((64, 256, 64), 4))
+ST_TILES = (
+    ((128, 256, 64), 8),
+    ((192, 192, 64), 8),
+    ((192, 192, 64), 12),
+    ((128, 128, 64), 4),
+    ((64, 256, 64), 4),
+)
 CONFIGS += [(t, w, g, "tma_st") for t, w in ST_TILES for g in (0, 8)]
-CLUSTER_CONFIGS += [(t, w, g, "tma_mc_st") for t, w in ST_TILES[:2] for g in (0, 8)]
+CLUSTER_CONFIGS += [(t, w, g, "tma_mc_st") for t, w in ST_TILES[:3] for g in (0, 8)]
 GRAPHS_OFF = cluster_launch_unsupported(os.environ.get("MLX_USE_CUDA_GRAPHS")) is None
 # The cluster cases: on a GPU, in the subprocess only.
 in_cluster_process = pytest.mark.skipif(
@@ -145,6 +157,11 @@ def test_tma_gemm_is_deterministic_and_independent_of_walk():
     wide = gemm_bias(x, w, b, tile=(192, 192, 64), warps=8, walk_m=8, family="tma")
     wide_st = gemm_bias(x, w, b, tile=(192, 192, 64), warps=8, walk_m=8, family="tma_st")
     assert mx.array_equal(wide_st, wide).item()
+    # Three 64x192 warpgroups (m64n192) sum each element in the same k order as two 192x96
+    # ones (m64n96).
+    for family in ("tma", "tma_st"):
+        three = gemm_bias(x, w, b, tile=(192, 192, 64), warps=12, walk_m=8, family=family)
+        assert mx.array_equal(three, wide).item(), family
     # The clusters' bit-equality with these runs in their own process (below).
 
 
@@ -201,11 +218,11 @@ def test_cluster_gemm_matches_addmm(cfg):
 def test_cluster_gemm_is_bit_equal_to_one_cta():
     # Multicast changes where W's rows come from, not the arithmetic.
     x, w, b = _inputs(*PERSISTENT_SHAPE, seed=8)
-    for tile in ((128, 256, 64), (192, 192, 64)):
-        one = gemm_bias(x, w, b, tile=tile, warps=8, walk_m=8, family="tma")
+    for tile, warps in (((128, 256, 64), 8), ((192, 192, 64), 8), ((192, 192, 64), 12)):
+        one = gemm_bias(x, w, b, tile=tile, warps=warps, walk_m=8, family="tma")
         for family in ("tma_mc", "tma_mc_st"):
-            mc = gemm_bias(x, w, b, tile=tile, warps=8, walk_m=8, family=family)
-            assert mx.array_equal(mc, one).item(), (tile, family)
+            mc = gemm_bias(x, w, b, tile=tile, warps=warps, walk_m=8, family=family)
+            assert mx.array_equal(mc, one).item(), (tile, warps, family)
 
 
 @needs_cuda

@@ -293,6 +293,24 @@ def test_tma_register_budget():
     assert plan_gemm((128, 256, 64), 8).producer_warps == 0
 
 
+def test_three_consumer_warpgroups():
+    # 192x192 as three 64x192 warpgroups (one m64n192 wgmma per k-step each, where two 192x96
+    # warpgroups issue three m64n96): 96 accumulators, 12 consumer warps + a producer warpgroup,
+    # (512 - 40) / 3 registers per consumer thread rounded down to a multiple of 8.
+    for family in ("tma", "tma_st", "tma_mc_st"):
+        plan = plan_gemm((192, 192, 64), 12, 8, family=family)
+        assert (plan.layout_m, plan.consumer_regs, plan.producer_warps) == (3, 152, 4), family
+        assert plan.threads == 512 and plan.stages == 4
+        assert ("WARPS", 12) in plan.template() and ("LAYOUT_M", 3) in plan.template()
+    assert plan.label == "192x192x64_w12_g8_s4_tma3_c2_st_r152"
+    # The cp.async families keep whole power-of-two warp counts.
+    for family in ("auto", "wgmma", "mma"):
+        with pytest.raises(NotImplementedError, match="12 warps: three consumer warpgroups"):
+            plan_gemm((192, 192, 64), 12, family=family)
+    with pytest.raises(ValueError, match="expected 1, 2, 4, 8, 12 or 16, got 6"):
+        plan_gemm((192, 192, 64), 6, family="tma")
+
+
 def test_tma_multicast_plans():
     plan = plan_gemm((128, 256, 64), 8, 8, family="tma_mc")
     assert (plan.family, plan.cluster, plan.tma, plan.threads) == ("tma_mc", 2, True, 288)

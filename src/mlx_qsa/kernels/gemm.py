@@ -234,8 +234,8 @@ def plan_gemm(
     if len(tile) != 3 or any(int(v) != v or v <= 0 for v in tile):
         raise ValueError(f"plan_gemm(tile): expected three positive ints [TM, TN, TK], got {tile}")
     tm, tn, tk = (int(v) for v in tile)
-    if warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"plan_gemm(warps): expected 1, 2, 4, 8 or 16, got {warps}")
+    if warps not in (1, 2, 4, 8, 12, 16):
+        raise ValueError(f"plan_gemm(warps): expected 1, 2, 4, 8, 12 or 16, got {warps}")
     if walk_m < 0:
         raise ValueError(f"plan_gemm(walk_m): expected >= 0, got {walk_m}")
     if family not in FAMILIES:
@@ -252,6 +252,12 @@ def plan_gemm(
             stages,
             cluster=2 if family.startswith("tma_mc") else 1,
             tma_store=family.endswith("_st"),
+        )
+    if warps == 12:
+        # Three warpgroups only make sense beside a producer: 192-row tiles as three 64-row
+        # warpgroups, each one m64n(TN) wgmma per k-step.
+        raise NotImplementedError(
+            f"tile {[tm, tn, tk]} / 12 warps: three consumer warpgroups need a tma family"
         )
     threads = 32 * warps
     # gemm.cu's loader: each thread keeps one 16-byte column chunk, rows threads/chunks apart.

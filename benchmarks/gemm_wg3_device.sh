@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# 192x192 tiles as three 64x192 consumer warpgroups (12 warps, one m64n192 wgmma per k-step)
+# against two 192x96 ones (8 warps, three m64n96), and the bias pairs loaded before the k-loop,
+# against the tree in .old/main/src; on the lent GPU after MLX's CUDA build is staged:
+#   source .device/part-b/activate.sh && bash benchmarks/gemm_wg3_device.sh tests|ncu|sweeps ...
+# tests:  the TMA-family cases of tests/test_gemm_cuda.py (the cluster ones in their own process
+#         without CUDA graphs)
+# ncu:    kernel times, 5 calls each after one warm-up, graphs off (the cluster family needs it),
+#         this tree then the old one
+# sweeps: steady qkv sweeps, tma_st with graphs on (the default), tma_mc_st with graphs off
+set -u
+OUT="${OUT:-/tmp/gemm-wg3}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR="${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}"
+BASE_PATH="${PYTHONPATH:-}"
+NEW="$PWD/src"
+OLD="$PWD/.old/main/src"
+date -u +%Y-%m-%dT%H:%M:%SZ
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv
+ncu_times() {  # tree label configs...
+  local tree="$1" label="$2"
+  shift 2
+  PYTHONPATH="$tree:$BASE_PATH" MLX_USE_CUDA_GRAPHS=0 timeout 200 ncu --clock-control none --csv \
+    -k "regex:gemm|nvjet|qsa" --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__cycles_elapsed.max \
+    python3 benchmarks/gemm_profile.py --calls 5 "$@" > "$OUT/ncu_$label.csv" 2> "$OUT/ncu_$label.err"
+  echo "-- ncu $label: $*"
+  python3 benchmarks/ncu_summary.py "$OUT/ncu_$label.csv" "$#"
+}
+for what in "$@"; do
+  case "$what" in
+    tests)
+      echo "== tests"
+      PYTHONPATH="$NEW:$BASE_PATH" timeout 300 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+        tests/test_gemm_cuda.py -k "w12 or tma_st or tma_mc or cluster or deterministic" 2>&1 \
+        | tee "$OUT/tests.log" | tail -4 ;;
+    ncu)
+      echo "== ncu"
+      ncu_times "$NEW" new addmm tma_st:192x192x64/8/8 tma_st:192x192x64/12/8 \
+        tma_st:192x192x64/12/4 tma_mc_st:192x192x64/12/8 tma:192x192x64/12/8
+      ncu_times "$OLD" old addmm tma_st:192x192x64/8/8 ;;
+    sweeps)
+      echo "== sweeps"
+      for fam in tma_st tma_mc_st; do
+        graphs=1
+        tiles=192x192x64/8,192x192x64/12
+        if [ "$fam" = tma_mc_st ]; then graphs=0; tiles=192x192x64/12; fi
+        echo "-- family $fam, MLX_USE_CUDA_GRAPHS=$graphs"
+        PYTHONPATH="$NEW:$BASE_PATH" MLX_USE_CUDA_GRAPHS=$graphs timeout 200 python3 -m mlx_qsa sweep \
+          --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 --steady 20x7 --family "$fam" \
+          --tiles "$tiles" --walk-m 4,8 --out "$OUT/qkv_$fam.json" 2>&1 | tail -7
+      done ;;
+    *) echo "unknown step $what" ;;
+  esac
+done
