@@ -3,7 +3,7 @@
 # against two 192x96 ones (8 warps, three m64n96), and the bias pairs loaded before the k-loop,
 # against the tree in .old/main/src; on the lent GPU after MLX's CUDA build is staged:
 #   source .device/part-b/activate.sh && bash benchmarks/gemm_wg3_device.sh tests|ncu|sweeps ...
-# tests:  the TMA-family cases of tests/test_gemm_cuda.py (the cluster ones in their own process
+# tests:  tests/test_gemm_cuda.py and tests/test_sweep.py (the cluster cases in their own process
 #         without CUDA graphs)
 # ncu:    kernel times, 5 calls each after one warm-up, graphs off (the cluster family needs it),
 #         this tree then the old one
@@ -30,9 +30,8 @@ for what in "$@"; do
   case "$what" in
     tests)
       echo "== tests"
-      PYTHONPATH="$NEW:$BASE_PATH" timeout 300 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
-        tests/test_gemm_cuda.py -k "w12 or tma_st or tma_mc or cluster or deterministic" 2>&1 \
-        | tee "$OUT/tests.log" | tail -4 ;;
+      PYTHONPATH="$NEW:$BASE_PATH" timeout 480 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+        tests/test_gemm_cuda.py tests/test_sweep.py 2>&1 | tee "$OUT/tests.log" | tail -4 ;;
     ncu)
       echo "== ncu"
       ncu_times "$NEW" new addmm tma_st:192x192x64/8/8 tma_st:192x192x64/12/8 \
