@@ -18,15 +18,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit -
 echo "== tests"
 PYTHONPATH="$NEW:$BASE_PATH" timeout 200 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
   tests/test_gemm_cuda.py -k "tma_st or tma_mc or cluster or deterministic" 2>&1 | tail -4
-ncu_times() {  # tree label configs...
-  local tree="$1" label="$2"
-  shift 2
-  PYTHONPATH="$tree:$BASE_PATH" MLX_USE_CUDA_GRAPHS=0 timeout 150 ncu --clock-control none --csv \
-    -k "regex:gemm|nvjet|qsa" --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__cycles_elapsed.max \
-    python3 benchmarks/gemm_profile.py --calls 5 "$@" > "$OUT/ncu_$label.csv" 2> "$OUT/ncu_$label.err"
-  echo "-- ncu $label: $*"
-  python3 benchmarks/ncu_summary.py "$OUT/ncu_$label.csv" "$#"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/gemm_ncu_times.sh"
 echo "== ncu"
 ncu_times "$NEW" new addmm tma_st:192x192x64/8/4 tma_st:192x192x64/8/8 tma_mc_st:192x192x64/8/4 tma_mc_st:192x192x64/8/8
 ncu_times "$OLD" old addmm tma_st:192x192x64/8/4 tma_st:192x192x64/8/8

@@ -17,15 +17,7 @@ NEW="$PWD/src"
 OLD="$PWD/.old/main/src"
 date -u +%Y-%m-%dT%H:%M:%SZ
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv
-ncu_times() {  # tree label configs...
-  local tree="$1" label="$2"
-  shift 2
-  PYTHONPATH="$tree:$BASE_PATH" MLX_USE_CUDA_GRAPHS=0 timeout 200 ncu --clock-control none --csv \
-    -k "regex:gemm|nvjet|qsa" --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__cycles_elapsed.max \
-    python3 benchmarks/gemm_profile.py --calls 5 "$@" > "$OUT/ncu_$label.csv" 2> "$OUT/ncu_$label.err"
-  echo "-- ncu $label: $*"
-  python3 benchmarks/ncu_summary.py "$OUT/ncu_$label.csv" "$#"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/gemm_ncu_times.sh"
 for what in "$@"; do
   case "$what" in
     tests)
