@@ -4,7 +4,7 @@
 # against the tree in .old/main/src; on the lent GPU after MLX's CUDA build is staged:
 #   source .device/part-b/activate.sh && bash benchmarks/gemm_wg3_device.sh tests|ncu|sweeps ...
 # tests:  tests/test_gemm_cuda.py and tests/test_sweep.py (the cluster cases in their own process
-#         without CUDA graphs)
+#         without CUDA graphs; TESTS_K, when set, is pytest's -k expression)
 # ncu:    kernel times, 5 calls each after one warm-up, graphs off (the cluster family needs it),
 #         this tree then the old one
 # sweeps: steady qkv sweeps, tma_st with graphs on (the default), tma_mc_st with graphs off
@@ -22,23 +22,29 @@ for what in "$@"; do
   case "$what" in
     tests)
       echo "== tests"
+      select=()
+      [ -n "${TESTS_K:-}" ] && select=(-k "$TESTS_K")
       PYTHONPATH="$NEW:$BASE_PATH" timeout 480 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
-        tests/test_gemm_cuda.py tests/test_sweep.py 2>&1 | tee "$OUT/tests.log" | tail -4 ;;
+        tests/test_gemm_cuda.py tests/test_sweep.py "${select[@]}" 2>&1 | tee "$OUT/tests.log" | tail -4 ;;
     ncu)
       echo "== ncu"
-      ncu_times "$NEW" new addmm tma_st:192x192x64/8/8 tma_st:192x192x64/12/8 \
-        tma_st:192x192x64/12/4 tma_mc_st:192x192x64/12/8 tma:192x192x64/12/8
+      ncu_times "$NEW" new ${NCU_NEW:-addmm tma_st:192x192x64/8/8 tma_st:192x192x64/12/8 \
+        tma_st:192x192x64/12/4 tma_mc_st:192x192x64/12/8 tma:192x192x64/12/8}
       ncu_times "$OLD" old addmm tma_st:192x192x64/8/8 ;;
     sweeps)
       echo "== sweeps"
       for fam in tma_st tma_mc_st; do
         graphs=1
         tiles=192x192x64/8,192x192x64/12
-        if [ "$fam" = tma_mc_st ]; then graphs=0; tiles=192x192x64/12; fi
+        if [ "$fam" = tma_mc_st ]; then
+          [ -n "${SWEEP_ST_ONLY:-}" ] && continue
+          graphs=0
+          tiles=192x192x64/12
+        fi
         echo "-- family $fam, MLX_USE_CUDA_GRAPHS=$graphs"
         PYTHONPATH="$NEW:$BASE_PATH" MLX_USE_CUDA_GRAPHS=$graphs timeout 200 python3 -m mlx_qsa sweep \
           --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 --steady 20x7 --family "$fam" \
-          --tiles "$tiles" --walk-m 4,8 --out "$OUT/qkv_$fam.json" 2>&1 | tail -7
+          --tiles "$tiles" --walk-m "${WALKS:-4,8}" --out "$OUT/qkv_$fam.json" 2>&1 | tail -7
       done ;;
     *) echo "unknown step $what" ;;
   esac
