@@ -14,7 +14,7 @@ import struct
 
 import mlx.core as mx
 
-from . import _launch, device
+from . import _launch, device, impl_for
 
 _NT = 256  # 8 rows (warps) per CTA
 _MAX_CTAS = 1024
@@ -43,10 +43,8 @@ def norm_rope_cuda_supports(x: mx.array, weight: mx.array, rotary_dim: int) -> b
 
 @functools.lru_cache(maxsize=256)
 def _supports(ndim, dtype, w_ndim, w_dtype, width, w_len, rotary_dim) -> bool:
-    limits = device.current()
     return (
-        limits is not None
-        and device.kernels_unsupported(limits) is None
+        impl_for("auto", device.current()) == "cuda"
         and 2 <= ndim <= 8
         and dtype in _DTYPES
         and w_ndim == 1

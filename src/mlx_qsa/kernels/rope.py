@@ -11,7 +11,7 @@ import math
 
 import mlx.core as mx
 
-from . import _launch, device
+from . import _launch, device, impl_for
 
 _NT = 256
 _MAX_CTAS = 1024  # grid-stride beyond this (a decode call has a few thousand elements)
@@ -26,10 +26,8 @@ def rope_cuda_supports(x: mx.array, cos: mx.array, rotary_dim: int) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _supports(ndim: int, dtype, table_dtype, width: int, rotary_dim: int) -> bool:
-    limits = device.current()
     return (
-        limits is not None
-        and device.kernels_unsupported(limits) is None
+        impl_for("auto", device.current()) == "cuda"
         and 2 <= ndim <= 8
         and dtype in _DTYPES
         and table_dtype == mx.float32
