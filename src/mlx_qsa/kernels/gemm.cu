@@ -791,10 +791,12 @@ __device__ __forceinline__ void qsa_tmap_publish(const unsigned long long* tmpl,
 // k-slices while the store drains. The staging space is the ring itself: the stages of the
 // tile's last k-slices (two for a 192x192 tile), which the consumers keep until the stores have
 // read them, so the ring is as deep as without the TMA store (cuBLASLt's 192x192 kernel runs
-// four stages; a separate staging tile left room for three). TMA_STORE = 0 stores from the
+// four stages; a separate staging tile left room for three). With SPARE_BOXES > 0 (the planner
+// sets it where the shared memory beside the ring allows) the tile keeps one stage and its
+// remaining boxes go to a spare region after the ring. TMA_STORE = 0 stores from the
 // accumulator registers to y directly (pairs of bf16 per thread).
 template <int TM, int TN, int TK, int WARPS, int WALK_M, int STAGES, int LAYOUT_M,
-          int PRODUCER_REGS, int CONSUMER_REGS, int CLUSTER, int TMA_STORE>
+          int PRODUCER_REGS, int CONSUMER_REGS, int CLUSTER, int TMA_STORE, int SPARE_BOXES>
 __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_bfloat16* w,
                                              const __nv_bfloat16* b,
                                              const unsigned long long* tmaps, __nv_bfloat16* y,
@@ -817,15 +819,21 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
   constexpr int BOXES = TN / 64;
   constexpr int BPS = STAGE_BYTES / (TM * 128);
   constexpr int HOLD_NEED = BPS > 0 ? (BOXES + BPS - 1) / BPS : 1;
-  constexpr int HOLD_MAX = HOLD_NEED < 2 ? HOLD_NEED : 2;
+  // SPARE_BOXES > 0: the boxes one stage cannot hold go to a region of their own after the ring,
+  // so the consumers keep a single stage and the producer prefetches the next tile into the
+  // other STAGES - 1 during the epilogue.
+  constexpr int HOLD_MAX = SPARE_BOXES > 0 ? 1 : HOLD_NEED < 2 ? HOLD_NEED : 2;
   static_assert(TMA_STORE == 0 || BPS >= 1, "a ring stage holds at least one box of the tile");
+  static_assert(SPARE_BOXES == 0 || (TMA_STORE && SPARE_BOXES == BOXES - BPS && SPARE_BOXES <= BPS),
+                "the spare region holds the boxes beyond one stage's");
 
   extern __shared__ unsigned char qsa_smem[];
   const unsigned raw = qsa_smem_u32(qsa_smem);
   const unsigned smem0 = (raw + 1023u) & ~1023u;
-  // After the ring (stages and boxes start 1024-byte aligned, as the swizzle needs): NMAPS
-  // 128-byte tensor maps, then full[STAGES] and empty[STAGES].
-  const unsigned maps_u32 = smem0 + static_cast<unsigned>(STAGES * STAGE_BYTES);
+  // After the ring (stages and boxes start 1024-byte aligned, as the swizzle needs): the spare
+  // boxes, NMAPS 128-byte tensor maps, then full[STAGES] and empty[STAGES].
+  const unsigned spare0 = smem0 + static_cast<unsigned>(STAGES * STAGE_BYTES);
+  const unsigned maps_u32 = spare0 + static_cast<unsigned>(SPARE_BOXES * TM * 128);
   unsigned long long* maps_s =
       reinterpret_cast<unsigned long long*>(qsa_smem + (maps_u32 - raw));
   const unsigned full0 = maps_u32 + 128u * NMAPS;
@@ -1039,13 +1047,14 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
       }
     }
     if constexpr (TMA_STORE) {
-      // Boxes go in rounds of hold·BPS (one round unless K is a single k-slice): box lo + r
-      // into stage h0 (r < BPS) or h1.
+      // Boxes go in rounds of hold·BPS (+ SPARE_BOXES; one round unless K is a single k-slice
+      // without a spare region): box lo + r into stage h0 (r < BPS) or h1 (the spare region).
       const int h0 = hold == 2 ? (prev + STAGES - 1) % STAGES : prev;
       const int h1 = prev;
       const unsigned base0 = smem0 + static_cast<unsigned>(h0 * STAGE_BYTES);
-      const unsigned base1 = smem0 + static_cast<unsigned>(h1 * STAGE_BYTES);
-      const int cap = hold * BPS;
+      const unsigned base1 =
+          SPARE_BOXES > 0 ? spare0 : smem0 + static_cast<unsigned>(h1 * STAGE_BYTES);
+      const int cap = hold * BPS + SPARE_BOXES;
       for (int lo = 0; lo < BOXES; lo += cap) {
         const int hi = lo + cap < BOXES ? lo + cap : BOXES;
         if (lo > 0 && tid == 0) {
@@ -1097,6 +1106,6 @@ __device__ __forceinline__ void qsa_gemm_tma(const __nv_bfloat16* x, const __nv_
                                                               x_shape[1]);
 //// BODY tma ////
   qsa_gemm_tma<TM, TN, TK, WARPS, WALK_M, STAGES, LAYOUT_M, PRODUCER_REGS, CONSUMER_REGS,
-               CLUSTER, TMA_STORE>(
+               CLUSTER, TMA_STORE, SPARE_BOXES>(
       x, w, b, reinterpret_cast<const unsigned long long*>(tmaps), y,
       reinterpret_cast<unsigned char*>(scratch), x_shape[0], w_shape[0], x_shape[1]);

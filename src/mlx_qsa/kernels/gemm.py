@@ -87,6 +87,9 @@ class GemmPlan:
     consumer_regs: int = 0
     cluster: int = 1  # TMA family: CTAs per cluster; 2 = pairs sharing W tiles by multicast
     tma_store: bool = False  # TMA family: the epilogue stages the tile and stores it by TMA
+    # TMA store: boxes of the tile staged in a region after the ring rather than in a second
+    # held ring stage (0: the tile's last two stages hold it).
+    spare_boxes: int = 0
 
     @property
     def producer_warps(self) -> int:
@@ -112,7 +115,8 @@ class GemmPlan:
     @property
     def shared_memory(self) -> int:
         extra = _tma_extra(self.tma_store) if self.tma else 0
-        return self.stages * self.stage_bytes + SMEM_ALIGN_PAD + extra
+        spare = self.spare_boxes * self.tile[0] * 128
+        return self.stages * self.stage_bytes + spare + SMEM_ALIGN_PAD + extra
 
     @property
     def family(self) -> str:
@@ -127,7 +131,7 @@ class GemmPlan:
         if self.cluster > 1:
             kind += f"_c{self.cluster}"
         if self.tma_store:
-            kind += "_st"
+            kind += f"_st{self.spare_boxes}" if self.spare_boxes else "_st"
         if self.consumer_regs:
             kind += f"_r{self.consumer_regs}"
         return f"{tm}x{tn}x{tk}_w{self.warps}_g{self.walk_m}_s{self.stages}_{kind}"
@@ -145,6 +149,7 @@ class GemmPlan:
                 ("CONSUMER_REGS", self.consumer_regs),
                 ("CLUSTER", self.cluster),
                 ("TMA_STORE", int(self.tma_store)),
+                ("SPARE_BOXES", self.spare_boxes),
             ]
         return names
 
@@ -382,6 +387,7 @@ def _plan_tma(
         warps=warps,
         walk_m=walk_m,
         stages=ring,
+        spare_boxes=_spare_boxes(tm, tn, tk, ring) if tma_store else 0,
         wgmma=True,
         layout_m=layout,
         tma=True,
@@ -389,6 +395,21 @@ def _plan_tma(
         cluster=cluster,
         tma_store=tma_store,
     )
+
+
+def _spare_boxes(tm: int, tn: int, tk: int, stages: int, limit: int = MAX_DYNAMIC_SMEM) -> int:
+    """64-column boxes of a finished tile beyond one ring stage's, when they fit after the
+    ring (gemm.cu's SPARE_BOXES): the tile then keeps one stage during its epilogue instead of
+    two, and the producer has the other stages for the next tile. 0 when one stage holds the
+    tile, when the rest would need more than one more stage's worth, or when no room is left."""
+    stage = (tm + tn) * tk * 2
+    per_stage = stage // (tm * 128)
+    boxes = tn // 64
+    spare = boxes - per_stage
+    if spare <= 0 or spare > per_stage:
+        return 0
+    need = stages * stage + spare * tm * 128 + SMEM_ALIGN_PAD + _tma_extra(True)
+    return spare if need <= limit else 0
 
 
 def tile_coords(pid: int, tiles_m: int, tiles_n: int, walk_m: int) -> tuple[int, int]:
