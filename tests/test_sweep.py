@@ -302,7 +302,7 @@ def test_three_consumer_warpgroups():
         assert (plan.layout_m, plan.consumer_regs, plan.producer_warps) == (3, 152, 4), family
         assert plan.threads == 512 and plan.stages == 4
         assert ("WARPS", 12) in plan.template() and ("LAYOUT_M", 3) in plan.template()
-    assert plan.label == "192x192x64_w12_g8_s4_tma3_c2_st_r152"
+    assert plan.label == "192x192x64_w12_g8_s4_tma3_c2_st1_r152"
     # The cp.async families keep whole power-of-two warp counts.
     for family in ("auto", "wgmma", "mma"):
         with pytest.raises(NotImplementedError, match="12 warps: three consumer warpgroups"):
@@ -329,12 +329,22 @@ def test_tma_store_plans():
     assert (st.family, st.tma_store, st.cluster, st.threads) == ("tma_st", True, 1, 384)
     assert ("TMA_STORE", 1) in st.template() and "_st" in st.label
     assert ("TMA_STORE", 0) in plan_gemm((192, 192, 64), 8, family="tma").template()
-    # The tile is staged in the ring's last stages, so the ring is as deep as without the
-    # TMA store: 4 stages of 48 KiB in 227 KiB, the depth of cuBLASLt's 192x192 kernel.
-    assert st.maps == 3
+    # The tile is staged in the ring's last stage plus, for the box a 48 KiB stage cannot hold,
+    # a 24 KiB spare region after the ring, so the ring is as deep as without the TMA store:
+    # 4 stages of 48 KiB in 227 KiB, the depth of cuBLASLt's 192x192 kernel.
+    assert st.maps == 3 and st.spare_boxes == 1 and ("SPARE_BOXES", 1) in st.template()
     assert st.stages == 4 and plan_gemm((192, 192, 64), 8, family="tma").stages == 4
-    assert st.shared_memory == 4 * 49152 + 1024 + 3 * 128 + 2 * 8 * 8
+    assert st.shared_memory == 4 * 49152 + 192 * 128 + 1024 + 3 * 128 + 2 * 8 * 8
     assert st.shared_memory <= 232_448
+    # 128x192 and 128x256 spare one 16 KiB box; one stage holds the whole 64x256 tile; where
+    # no room is left after the ring (four 56 KiB stages at 192x256), two stages are held.
+    from mlx_qsa.kernels.gemm import _spare_boxes
+
+    assert _spare_boxes(192, 256, 64, stages=4) == 0 and _spare_boxes(192, 256, 64, stages=3) == 2
+    assert plan_gemm((128, 192, 64), 8, family="tma_st").spare_boxes == 1
+    assert plan_gemm((64, 256, 64), 4, family="tma_st").spare_boxes == 0
+    assert plan_gemm((128, 256, 64), 8, family="tma_st").spare_boxes == 1
+    assert plan_gemm((192, 192, 64), 8, family="tma").spare_boxes == 0
     assert plan_gemm((128, 128, 64), 4, family="tma_st").stages == 7  # 32 KiB stages
     plain = plan_gemm((128, 256, 64), 8, family="tma")
     assert (plain.tma_store, plain.maps) == (False, 2)
