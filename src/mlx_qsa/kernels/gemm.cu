@@ -315,23 +315,36 @@ __device__ __forceinline__ void qsa_load_bias(__nv_bfloat162 (&bias)[J], const _
 // that their latency hides behind it), none. `put(r, c, bias, v0, v1)` takes each accumulator
 // pair with its row offset r (64 i + 8 h) and column offset c from the warp's first row and
 // column.
+template <int NN>
+constexpr int qsa_bias_chunk() {
+  return (NN / 8) % 8 == 0 ? 8 : (NN / 8) % 6 == 0 ? 6 : (NN / 8) % 4 == 0 ? 4 : NN / 8;
+}
+
+// Bias pairs jc .. jc + CHUNK - 1 of the walk below: from `pre`, or loaded now.
+template <int CHUNK>
+__device__ __forceinline__ void qsa_bias_for(__nv_bfloat162 (&bias)[CHUNK],
+                                             const __nv_bfloat162* pre, int jc,
+                                             const __nv_bfloat16* b, int N, int gcol0, int lane) {
+  if (pre != nullptr) {
+#pragma unroll
+    for (int jj = 0; jj < CHUNK; ++jj) {
+      bias[jj] = pre[jc + jj];
+    }
+  } else {
+    qsa_load_bias(bias, b, N, gcol0 + jc * 8, lane);
+  }
+}
+
 template <int MI, int NN, typename Put>
 __device__ __forceinline__ void qsa_wgmma_epilogue(const __nv_bfloat16* b, int N, int gcol0,
                                                    int lane, float (&acc)[MI][NN / 2], Put put,
                                                    const __nv_bfloat162* pre = nullptr) {
   constexpr int J = NN / 8;
-  constexpr int CHUNK = J % 8 == 0 ? 8 : J % 6 == 0 ? 6 : J % 4 == 0 ? 4 : J;
+  constexpr int CHUNK = qsa_bias_chunk<NN>();
 #pragma unroll
   for (int jc = 0; jc < J; jc += CHUNK) {
     __nv_bfloat162 bias[CHUNK];
-    if (pre != nullptr) {
-#pragma unroll
-      for (int jj = 0; jj < CHUNK; ++jj) {
-        bias[jj] = pre[jc + jj];
-      }
-    } else {
-      qsa_load_bias(bias, b, N, gcol0 + jc * 8, lane);
-    }
+    qsa_bias_for(bias, pre, jc, b, N, gcol0, lane);
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
 #pragma unroll
@@ -342,6 +355,42 @@ __device__ __forceinline__ void qsa_wgmma_epilogue(const __nv_bfloat16* b, int N
           put(i * 64 + 8 * h, j * 8 + 2 * (lane & 3), bias[jj], acc[i][4 * j + 2 * h],
               acc[i][4 * j + 2 * h + 1]);
         }
+      }
+    }
+  }
+}
+
+// The same walk two column groups at a time, for stmatrix: put4(r, c, v) takes the packed
+// bf16(acc + bias) pairs of column groups c/8 and c/8 + 1 (c a multiple of 16 from the warp's
+// first column), rows r and r + 8 each: v = {(c, r), (c, r + 8), (c + 8, r), (c + 8, r + 8)},
+// the four 8x8 fragments of one stmatrix.x4 in the accumulator's own layout.
+template <int MI, int NN, typename Put4>
+__device__ __forceinline__ void qsa_wgmma_epilogue_x4(const __nv_bfloat16* b, int N, int gcol0,
+                                                      int lane, float (&acc)[MI][NN / 2],
+                                                      Put4 put4,
+                                                      const __nv_bfloat162* pre = nullptr) {
+  constexpr int J = NN / 8;
+  constexpr int CHUNK = qsa_bias_chunk<NN>();
+  static_assert(CHUNK % 2 == 0, "column groups go in pairs");
+#pragma unroll
+  for (int jc = 0; jc < J; jc += CHUNK) {
+    __nv_bfloat162 bias[CHUNK];
+    qsa_bias_for(bias, pre, jc, b, N, gcol0, lane);
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+      for (int jj = 0; jj < CHUNK; jj += 2) {
+        const int j = jc + jj;
+        unsigned v[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int jq = j + (q >> 1);  // fragments 0, 1: group j; 2, 3: group j + 1
+          const int h = q & 1;          // rows r (0, 2) or r + 8 (1, 3)
+          const __nv_bfloat162 p = qsa_bias_pair(bias[jj + (q >> 1)], acc[i][4 * jq + 2 * h],
+                                                 acc[i][4 * jq + 2 * h + 1]);
+          v[q] = *reinterpret_cast<const unsigned*>(&p);
+        }
+        put4(i * 64, j * 8, v);
       }
     }
   }
@@ -363,20 +412,27 @@ __device__ __forceinline__ void qsa_store_wgmma_acc(__nv_bfloat16* y, const __nv
 
 // The TMA-store epilogue's half: the same pairs into shared memory, in the layout the store's
 // tensor map reads: 64-column boxes of [TM rows x 128 bytes] with the 128-byte swizzle. The
-// eight rows of one store instruction land in eight different 16-byte chunks, so its 32 lanes
-// hit 32 banks. Only boxes [box_lo, box_hi) are staged (one round): box box_lo + r goes to
-// offset (r % BPS) boxes into ring stage `base0` (r < BPS) or `base1`. row0, lcol0: the warp's
-// first row and column inside the tile; gcol0: that column in y (bias). Rows and columns past
-// M and N are staged too; the TMA store clips them.
+// eight rows of one 8x8 fragment land in eight different 16-byte chunks, so each of its
+// stores hits 32 banks. Only boxes [box_lo, box_hi) are staged (one round): box box_lo + r goes
+// to offset (r % BPS) boxes into ring stage `base0` (r < BPS) or `base1`. row0: this lane's
+// first accumulator row inside the tile (the warp's first row + lane/4); lcol0: the warp's
+// first column inside the tile; gcol0: that column in y (bias). Rows and columns past M and N
+// are staged too; the TMA store clips them.
 template <int MI, int NN, int TM, int BPS>
 __device__ __forceinline__ void qsa_stage_wgmma_acc(unsigned base0, unsigned base1, int box_lo,
                                                     int box_hi, const __nv_bfloat16* b, int N,
                                                     int row0, int lcol0, int gcol0, int lane,
                                                     float (&acc)[MI][NN / 2],
                                                     const __nv_bfloat162* pre = nullptr) {
-  qsa_wgmma_epilogue<MI, NN>(
-      b, N, gcol0, lane, acc, [&](int r, int c, __nv_bfloat162 bias, float v0, float v1) {
-        const int row = row0 + r;
+  // One stmatrix.x4 per two column groups and 16 rows: lanes 8m..8m+7 address the rows of
+  // fragment m (rows +8 for m odd, the next column group for m >= 2). lcol0 is a multiple of 16,
+  // so both groups lie in one 64-column box, and the box test is the same for the whole warp.
+  const int wrow0 = row0 - (lane >> 2);
+  const int frag_row = ((lane >> 3) & 1) * 8 + (lane & 7);
+  const int frag_chunk = lane >> 4;
+  qsa_wgmma_epilogue_x4<MI, NN>(
+      b, N, gcol0, lane, acc,
+      [&](int r, int c, const unsigned (&v)[4]) {
         const int col = lcol0 + c;
         const int box = (col >> 6) - box_lo;
         if (box < 0 || box >= box_hi - box_lo) {
@@ -385,10 +441,10 @@ __device__ __forceinline__ void qsa_stage_wgmma_acc(unsigned base0, unsigned bas
         const unsigned base = box < BPS ? base0 + static_cast<unsigned>(box * TM * 128)
                                         : base1 + static_cast<unsigned>((box - BPS) * TM * 128);
         const unsigned addr =
-            base + qsa_swz(row, (col & 63) >> 3) + static_cast<unsigned>((col & 7) * 2);
-        const __nv_bfloat162 v = qsa_bias_pair(bias, v0, v1);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr),
-                     "r"(*reinterpret_cast<const unsigned*>(&v))
+            base + qsa_swz(wrow0 + r + frag_row, ((col & 63) >> 3) + frag_chunk);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                         addr),
+                     "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
                      : "memory");
       },
       pre);
