@@ -6,15 +6,16 @@
 # tests:  tests/test_gemm_cuda.py and tests/test_sweep.py (the cluster cases in their own process
 #         without CUDA graphs; TESTS_K, when set, is pytest's -k expression)
 # ncu:    kernel times, 5 calls each after one warm-up, graphs off (the cluster family needs it),
-#         this tree then the old one
+#         this tree (NCU_NEW configs) then the old one (NCU_OLD; OLD= empty skips it)
+# NEW and OLD (source trees) default to ./src and ./.old/main/src
 # sweeps: steady qkv sweeps, tma_st with graphs on (the default), tma_mc_st with graphs off
 set -u
 OUT="${OUT:-/tmp/gemm-wg3}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR="${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}"
 BASE_PATH="${PYTHONPATH:-}"
-NEW="$PWD/src"
-OLD="$PWD/.old/main/src"
+NEW="${NEW:-$PWD/src}"
+OLD="${OLD-$PWD/.old/main/src}"
 date -u +%Y-%m-%dT%H:%M:%SZ
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv
 source "$(dirname "${BASH_SOURCE[0]}")/gemm_ncu_times.sh"
@@ -30,7 +31,7 @@ for what in "$@"; do
       echo "== ncu"
       ncu_times "$NEW" new ${NCU_NEW:-addmm tma_st:192x192x64/8/8 tma_st:192x192x64/12/8 \
         tma_st:192x192x64/12/4 tma_mc_st:192x192x64/12/8 tma:192x192x64/12/8}
-      ncu_times "$OLD" old addmm tma_st:192x192x64/8/8 ;;
+      [ -n "$OLD" ] && ncu_times "$OLD" old ${NCU_OLD:-addmm tma_st:192x192x64/8/8} ;;
     sweeps)
       echo "== sweeps"
       for fam in tma_st tma_mc_st; do
