@@ -8,6 +8,8 @@
 # ncu:    kernel times, 5 calls each after one warm-up, graphs off (the cluster family needs it),
 #         this tree (NCU_NEW configs) then the old one (NCU_OLD; OLD= empty skips it)
 # NEW and OLD (source trees) default to ./src and ./.old/main/src
+# profile: Nsight Compute's full set of one call of each PROFILE configuration (this tree, graphs
+#         off): details page, its summary lines, and per-instruction stall samples (sass CSV)
 # sweeps: steady qkv sweeps, tma_st with graphs on (the default), tma_mc_st with graphs off
 set -u
 OUT="${OUT:-/tmp/gemm-wg3}"
@@ -32,6 +34,18 @@ for what in "$@"; do
       ncu_times "$NEW" new ${NCU_NEW:-addmm tma_st:192x192x64/8/8 tma_st:192x192x64/12/8 \
         tma_st:192x192x64/12/4 tma_mc_st:192x192x64/12/8 tma:192x192x64/12/8}
       [ -n "$OLD" ] && ncu_times "$OLD" old ${NCU_OLD:-addmm tma_st:192x192x64/8/8} ;;
+    profile)
+      echo "== profile"
+      PYTHONPATH="$NEW:$BASE_PATH" MLX_USE_CUDA_GRAPHS=0 timeout 300 ncu --clock-control none \
+        --set full --import-source no -k "regex:gemm|nvjet" -o "$OUT/full" python3 \
+        benchmarks/gemm_profile.py --calls 1 ${PROFILE:-addmm tma_st:192x192x64/8/8} \
+        > "$OUT/full.log" 2>&1
+      ncu -i "$OUT/full.ncu-rep" --page details > "$OUT/details.txt" 2>&1
+      ncu -i "$OUT/full.ncu-rep" --page source --print-source sass --csv > "$OUT/sass.csv" 2>&1
+      xz -f "$OUT/sass.csv" "$OUT/details.txt"
+      rm -f "$OUT/full.ncu-rep"
+      xz -dc "$OUT/details.txt.xz" | grep -E "^  [a-z_]|Duration|SM Frequency|Compute \(SM\) Throughput|L2 Cache Throughput|L2 Hit Rate|DRAM Throughput|Issue Slots Busy|Warp Cycles Per Issued" \
+        | cut -c1-150 ;;
     sweeps)
       echo "== sweeps"
       for fam in tma_st tma_mc_st; do
