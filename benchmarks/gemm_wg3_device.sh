@@ -59,7 +59,7 @@ for what in "$@"; do
         echo "-- family $fam, MLX_USE_CUDA_GRAPHS=$graphs"
         PYTHONPATH="$NEW:$BASE_PATH" MLX_USE_CUDA_GRAPHS=$graphs timeout 200 python3 -m mlx_qsa sweep \
           --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 --steady 20x7 --family "$fam" \
-          --tiles "$tiles" --walk-m "${WALKS:-4,8}" --out "$OUT/qkv_$fam.json" 2>&1 | tail -7
+          --tiles "$tiles" --walk-m "${WALKS:-4,8}" --out "$OUT/qkv_$fam.json" 2>&1 | tail -"${SWEEP_TAIL:-7}"
       done ;;
     *) echo "unknown step $what" ;;
   esac

@@ -1,7 +1,11 @@
 """Per-kernel time of an Nsight Compute CSV (`--csv --metrics gpu__time_duration.sum`) whose
-launches split into equal parts (the contexts of benchmarks/layer_profile.py, in order).
+launches split into equal parts (the contexts of benchmarks/layer_profile.py, or the
+configurations of benchmarks/gemm_profile.py, in order).
 
-    python3 benchmarks/ncu_summary.py NCU.csv [PARTS]
+    python3 benchmarks/ncu_summary.py NCU.csv [PARTS] [--skip N]
+
+--skip N leaves out the first N launches of each part: gemm_profile.py's warm-up call, whose
+kernel is the first launch of a freshly loaded module and can take 1.5x its later time.
 """
 
 from __future__ import annotations
@@ -38,21 +42,27 @@ def durations(path: str) -> list[tuple[str, float]]:
 
 
 def main() -> None:
-    vals = durations(sys.argv[1])
-    parts = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    args = sys.argv[1:]
+    skip = 0
+    if "--skip" in args:
+        i = args.index("--skip")
+        skip = int(args[i + 1])
+        del args[i : i + 2]
+    vals = durations(args[0])
+    parts = int(args[1]) if len(args) > 1 else 2
     # with sm__cycles_elapsed.* in the CSV: each kernel's mean SM clock and its time at 1.98 GHz
-    clocks = metric_rows(sys.argv[1], "sm__cycles_elapsed.avg.per_second")
-    cycles = metric_rows(sys.argv[1], "sm__cycles_elapsed.max")
+    clocks = metric_rows(args[0], "sm__cycles_elapsed.avg.per_second")
+    cycles = metric_rows(args[0], "sm__cycles_elapsed.max")
     size = len(vals) // parts
-    print("kernels", len(vals))
+    print("kernels", len(vals), f"(first {skip} of each part left out)" if skip else "")
     for p in range(parts):
-        part = vals[p * size : (p + 1) * size]
+        part = vals[p * size + skip : (p + 1) * size]
         print(f"== part {p}: {len(part)} kernels, {sum(v for _, v in part):.1f} us")
         agg: dict[str, list] = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
         for i, (k, v) in enumerate(part):
             agg[k][0] += 1
             agg[k][1] += v
-            j = p * size + i
+            j = p * size + skip + i
             if j < len(clocks) and j < len(cycles):
                 hz = clocks[j][1] * {"hz": 1, "khz": 1e3, "mhz": 1e6, "ghz": 1e9}.get(
                     clocks[j][2].lower(), 1

@@ -516,3 +516,31 @@ def test_tensor_map_argument_checks():
         tensormap.encode_bf16_rows(0, 64, 64)
     with pytest.raises(ValueError, match=r"box_rows\): expected 1..256, got 512"):
         tensormap.encode_bf16_rows(16, 64, 512)
+
+
+def test_tensor_maps_made_once_per_geometry(monkeypatch):
+    # The driver's encoder is replaced by one whose bytes name its arguments: the maps come
+    # back in x, W, y order as uint64, and a second call with the same geometry encodes nothing.
+    import mlx.core as mx
+
+    from mlx_qsa.kernels import tensormap
+
+    calls = []
+
+    def fake(rows: int, cols: int, box_rows: int) -> bytes:
+        calls.append((rows, cols, box_rows))
+        return np.array([rows, cols, box_rows] + [0] * 13, dtype=np.uint64).tobytes()
+
+    monkeypatch.setattr(tensormap, "encode_bf16_rows", fake)
+    gemm._tensor_maps.cache_clear()
+    try:
+        maps = gemm._tensor_maps(4181, 13312, 2560, 192, 96, True)
+        assert maps.dtype == mx.uint64 and maps.shape == (48,)
+        got = np.array(maps).reshape(3, 16)[:, :3].tolist()
+        assert got == [[4181, 2560, 192], [13312, 2560, 96], [4181, 13312, 192]]
+        assert gemm._tensor_maps(4181, 13312, 2560, 192, 96, True) is maps
+        assert len(calls) == 3
+        assert gemm._tensor_maps(4181, 13312, 2560, 192, 96).shape == (32,)  # no y map
+        assert len(calls) == 5
+    finally:
+        gemm._tensor_maps.cache_clear()

@@ -482,18 +482,23 @@ def _kernel(plan: GemmPlan):
 
 
 @functools.cache
+@functools.lru_cache(maxsize=64)
 def _tensor_maps(m: int, n: int, k: int, box_m: int, box_n: int, store: bool = False):
     """x's and W's tensor-map templates (and, with `store`, y's: boxes of 64 columns x `box_m`
-    rows) as one uint64 array [32] or [48], in the order gemm.cu reads them."""
+    rows) as one uint64 array [32] or [48], in the order gemm.cu reads them.
+
+    Made once per geometry, as a GPU-made copy: an array made from host data lives in MLX's
+    managed memory (device_arrays), which every block's producer would read on every call."""
     import mlx.core as mx
     import numpy as np
 
+    from mlx_qsa.device_arrays import device_constant
     from mlx_qsa.kernels import tensormap
 
     raw = tensormap.encode_bf16_rows(m, k, box_m) + tensormap.encode_bf16_rows(n, k, box_n)
     if store:
         raw += tensormap.encode_bf16_rows(m, n, box_m)
-    return mx.array(np.frombuffer(raw, dtype=np.uint64).copy())
+    return device_constant(mx.array(np.frombuffer(raw, dtype=np.uint64).copy()))
 
 
 def _check_inputs(x: mx.array, w: mx.array, b: mx.array) -> None:
