@@ -57,8 +57,9 @@ def test_kernel_compiles_with_static_smem_under_the_bound(name, tmp_path):
 
 
 def test_compacted_sources_compile_to_the_same_ptx(tmp_path, monkeypatch):
-    # MLX gets each kernel without comments or indentation (`_launch.compact`, less host time
-    # per call); the compiled code must be the one the commented files describe.
+    # MLX gets each kernel without comments or indentation (`_launch.compact`) and with only the
+    # part of common.cuh it reaches (`_launch.prune`): less host time per call. The compiled
+    # code must be the one the whole commented files describe.
     from mlx_qsa.kernels import _launch
 
     kp = _kernel_ptx()
@@ -76,7 +77,9 @@ def test_compacted_sources_compile_to_the_same_ptx(tmp_path, monkeypatch):
 
     compacted = ptx_of("compact")
     size_compacted = len(kp.source(*kp.JOBS["fused"]))
+    # and with the whole of common.cuh (`_launch.prune` leaves out what a kernel never names)
     monkeypatch.setattr(_launch, "compact", lambda text: text)
+    monkeypatch.setattr(_launch, "prune", lambda header, source: header)
     _launch.kernel_sections.cache_clear()
     _launch.common_header.cache_clear()
     try:
@@ -94,7 +97,7 @@ def test_compacted_sources_compile_to_the_same_ptx(tmp_path, monkeypatch):
 
 def test_common_header_only_for_bodies_that_use_it():
     # MLX copies and hashes the header with every call: the RoPE and RMSNorm kernels, which use
-    # nothing of common.cuh, go without it; the kernels that do (qsa::) keep it.
+    # nothing of common.cuh, go without it; the kernels that do (qsa::) get the part they reach.
     from mlx_qsa.kernels import _launch
 
     header = _launch.common_header()
@@ -103,7 +106,54 @@ def test_common_header_only_for_bodies_that_use_it():
         for name, body in _launch.kernel_sections(filename).items():
             assert _launch.header_for(body) == "", (filename, name)
     for filename in ("selector.cu", "flash_decode.cu", "rows_gather.cu", "split_k_merge.cu"):
-        bodies = _launch.kernel_sections(filename).values()
-        assert any(_launch.header_for(body) == header for body in bodies), filename
-    assert _launch.header_for("x = qsa::neg_inf();") == header
+        for name, body in _launch.kernel_sections(filename).items():
+            if "qsa::" in body:
+                got = _launch.header_for(body)
+                assert "namespace qsa {" in got and len(got) < len(header), (filename, name)
+    got = _launch.header_for("x = qsa::neg_inf();")
+    assert "neg_inf()" in got and "partial_attention" not in got
     assert _launch.header_for("x = 1.0f;") == ""
+
+
+_GEMM_PLANS = [  # one of each kernel family, as (tile, warps, family)
+    ((192, 192, 64), 8, "tma_st"),
+    ((192, 192, 64), 8, "tma_mc_st"),
+    ((128, 256, 64), 8, "tma"),
+    ((128, 256, 64), 8, "wgmma"),
+    ((128, 128, 64), 4, "mma"),
+]
+
+
+def test_gemm_header_pruned_to_the_same_ptx(tmp_path, monkeypatch):
+    # The GEMM's header goes to MLX pruned to what its body reaches (`_launch.prune`): each
+    # family's kernel must compile to the same PTX as with the whole of gemm.cu.
+    import sys
+
+    from mlx_qsa.kernels import _launch
+    from mlx_qsa.kernels.gemm import plan_gemm
+
+    sys.path.insert(0, str(_SCRIPT.parent))
+    try:
+        from gemm_registers import kernel_source
+    finally:
+        sys.path.pop(0)
+
+    def ptx(src: str, tag: str) -> list[str]:
+        cu, out = tmp_path / f"{tag}.cu", tmp_path / f"{tag}.ptx"
+        cu.write_text(src)
+        subprocess.run(
+            ["nvcc", "-arch=sm_90a", "-std=c++17", "--expt-relaxed-constexpr", "-ptx",
+             "-o", str(out), str(cu)],
+            check=True,
+        )  # fmt: skip
+        return [ln for ln in out.read_text().split("\n") if not ln.startswith("//")]
+
+    for tile, warps, family in _GEMM_PLANS:
+        plan = plan_gemm(tile, warps, 8, family=family)
+        tag = f"{family}_{tile[0]}x{tile[1]}"
+        pruned = kernel_source(plan)
+        with monkeypatch.context() as m:
+            m.setattr(_launch, "prune", lambda header, source: header)
+            whole = kernel_source(plan)
+        assert len(pruned) < 0.85 * len(whole), (tag, len(pruned), len(whole))
+        assert ptx(pruned, tag + "_pruned") == ptx(whole, tag + "_whole"), tag

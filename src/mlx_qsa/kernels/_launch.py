@@ -70,6 +70,143 @@ def compact(text: str) -> str:
     return "".join(line + "\n" for line in lines if line)
 
 
+_IDENT = re.compile(r"[A-Za-z_]\w*")
+_NAMESPACE = re.compile(r"\s*namespace(\s+\w+)?\s*$")
+_TYPE_NAME = re.compile(r"\s*(?:struct|class|union|enum(?:\s+class)?)\s+(\w+)")
+
+
+def _skip_literal(text: str, i: int) -> int:
+    """Index just past the string or character literal that starts at ``text[i]``."""
+    j = i + 1
+    while j < len(text) and text[j] != text[i]:
+        j += 2 if text[j] == "\\" else 1
+    return j + 1
+
+
+def _strip_template(item: str) -> str:
+    """``item`` without a leading ``template <...>`` parameter list (angle brackets balanced)."""
+    m = re.match(r"\s*template\s*<", item)
+    if m is None:
+        return item
+    depth, i = 1, m.end()
+    while i < len(item) and depth:
+        depth += {"<": 1, ">": -1}.get(item[i], 0)
+        i += 1
+    return item[i:]
+
+
+def _defined_name(item: str) -> str | None:
+    """The name a top-level item defines (function, type, variable, alias), or None (kept)."""
+    rest = _strip_template(item)
+    if m := _TYPE_NAME.match(rest):
+        return m.group(1)
+    head = re.split(r"[({=\[;]", rest, maxsplit=1)[0]
+    names = _IDENT.findall(head)
+    if not names or names[-1] == "operator":
+        return None
+    return names[-1]
+
+
+def top_level_items(text: str) -> list[tuple[str, str | None]]:
+    """``compact`` CUDA text as its top-level items in order, each with the name it defines, or
+    None for what is always kept: preprocessor lines, namespace openings and closings, items
+    whose name cannot be read. An item ends at its closing brace (and a ``;`` right after it) or
+    at a ``;`` outside braces."""
+    items: list[tuple[str, str | None]] = []
+    depth = namespaces = start = i = 0
+    n = len(text)
+
+    def emit(end: int, keep: bool = False) -> None:
+        nonlocal start
+        item = text[start:end]
+        if item.strip():
+            items.append((item, None if keep else _defined_name(item)))
+        elif item and items:  # blank text between items goes with the one before
+            items[-1] = (items[-1][0] + item, items[-1][1])
+        elif item:
+            items.append((item, None))
+        start = end
+
+    while i < n:
+        c = text[i]
+        if c in "\"'":
+            i = _skip_literal(text, i)
+            continue
+        if depth == 0 and c == "#" and (i == 0 or text[i - 1] == "\n"):
+            emit(i)
+            end = text.find("\n", i)
+            i = n if end < 0 else end + 1
+            emit(i, keep=True)
+            continue
+        if c == "{":
+            if depth == 0 and _NAMESPACE.match(text[start:i]):
+                i += 1
+                emit(i, keep=True)
+                namespaces += 1
+                continue
+            depth += 1
+        elif c == "}":
+            if depth == 0 and namespaces:
+                emit(i)
+                i += 1
+                emit(i, keep=True)
+                namespaces -= 1
+                continue
+            depth -= 1
+            if depth == 0:
+                j = i + 1
+                while j < n and text[j] in " \t\n":
+                    j += 1
+                i = j + 1 if j < n and text[j] == ";" else i + 1
+                emit(i)
+                continue
+        elif c == ";" and depth == 0:
+            i += 1
+            emit(i)
+            continue
+        i += 1
+    emit(n)
+    return items
+
+
+@functools.lru_cache(maxsize=256)
+def prune(header: str, source: str) -> str:
+    """``header`` without the top-level items that ``source`` does not reach.
+
+    MLX 0.32 builds each kernel's text (header + generated signature + body) on every
+    ``cuda_kernel`` call and hashes it on every evaluation, ~10 µs per call for a 35 KB header
+    on a CPU core; an item the kernel never names compiles to nothing, so leaving it out keeps
+    the kernel's code. Reachability goes by identifier: an item is kept when ``source``, an
+    always-kept item or a kept item names what it defines (every overload of a name is kept).
+    """
+    items = top_level_items(header)
+    by_name: dict[str, list[int]] = {}
+    for k, (_, name) in enumerate(items):
+        if name is not None:
+            by_name.setdefault(name, []).append(k)
+    kept = [name is None for _, name in items]
+    todo = set(_IDENT.findall(source))
+    for item, name in items:
+        if name is None:
+            todo.update(_IDENT.findall(item))
+    seen: set[str] = set()
+    while todo:
+        ident = todo.pop()
+        if ident in seen:
+            continue
+        seen.add(ident)
+        for k in by_name.get(ident, ()):
+            if not kept[k]:
+                kept[k] = True
+                todo.update(_IDENT.findall(items[k][0]))
+    # each kept item on lines of its own: a preprocessor line must start one
+    return "".join(
+        item if item.endswith("\n") else item + "\n"
+        for (item, _), keep in zip(items, kept, strict=True)
+        if keep
+    )
+
+
 @functools.cache
 def kernel_sections(filename: str) -> dict[str, str]:
     """The kernel bodies of ``filename`` (a ``.cu`` beside this module), by section name, as
@@ -92,11 +229,11 @@ def common_header() -> str:
 
 
 def header_for(source: str) -> str:
-    """The header a kernel body gets: ``common.cuh`` where the body uses it (names ``qsa::``),
-    else none. MLX 0.32 copies the header into the kernel's source on every call and hashes
-    that source on every evaluation; the RoPE and RMSNorm kernels (four of a CUDA decode
-    step's six) use none of its 15 KB."""
-    return common_header() if "qsa::" in source else ""
+    """The header a kernel body gets: the part of ``common.cuh`` the body reaches (``prune``)
+    where it uses it (names ``qsa::``), else none. MLX 0.32 copies the header into the kernel's
+    source on every call and hashes that source on every evaluation; the RoPE and RMSNorm
+    kernels (four of a CUDA decode step's six) use none of its 15 KB, the selector ~3 KB."""
+    return prune(common_header(), source) if "qsa::" in source else ""
 
 
 def _digest(*parts: str) -> str:
