@@ -2,7 +2,7 @@
 # benchmarks/gemm_profile.py (5 calls per configuration after a warm-up) from source tree TREE
 # under Nsight Compute with the clocks left alone and MLX's CUDA graphs off (the cluster
 # families need that), writes $OUT/ncu_LABEL.csv and prints each kernel's mean time and SM clock
-# over the 5 calls (the warm-up call, a fresh module's first launch, left out).
+# over the 5 calls (the warm-up call left out).
 ncu_times() {  # tree label configs...
   local tree="$1" label="$2"
   shift 2

@@ -4,8 +4,9 @@ configurations of benchmarks/gemm_profile.py, in order).
 
     python3 benchmarks/ncu_summary.py NCU.csv [PARTS] [--skip N]
 
---skip N leaves out the first N launches of each part: gemm_profile.py's warm-up call, whose
-kernel is the first launch of a freshly loaded module and can take 1.5x its later time.
+--skip N leaves out the first N launches of each part: gemm_profile.py's warm-up call, which
+took 1.5x the later calls' time while the GEMM's tensor maps lived in managed memory (its first
+read of them waited for the page), and is a warm-up in any case.
 """
 
 from __future__ import annotations
