@@ -335,12 +335,16 @@ __device__ __forceinline__ void qsa_bias_for(__nv_bfloat162 (&bias)[CHUNK],
   }
 }
 
-template <int MI, int NN, typename Put>
-__device__ __forceinline__ void qsa_wgmma_epilogue(const __nv_bfloat16* b, int N, int gcol0,
-                                                   int lane, float (&acc)[MI][NN / 2], Put put,
-                                                   const __nv_bfloat162* pre = nullptr) {
+// The epilogue's walk over a warpgroup tile's accumulators: bias chunk by chunk (from `pre`, or
+// loaded per chunk), then visit(i, j, bias) for each 64-row slice i and each STEP-th column
+// group j of the chunk, `bias` pointing at group j's bias pair.
+template <int MI, int NN, int STEP, typename Visit>
+__device__ __forceinline__ void qsa_epilogue_walk(const __nv_bfloat16* b, int N, int gcol0,
+                                                  int lane, const __nv_bfloat162* pre,
+                                                  Visit visit) {
   constexpr int J = NN / 8;
   constexpr int CHUNK = qsa_bias_chunk<NN>();
+  static_assert(CHUNK % STEP == 0, "whole steps per bias chunk");
 #pragma unroll
   for (int jc = 0; jc < J; jc += CHUNK) {
     __nv_bfloat162 bias[CHUNK];
@@ -348,16 +352,27 @@ __device__ __forceinline__ void qsa_wgmma_epilogue(const __nv_bfloat16* b, int N
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
 #pragma unroll
-      for (int jj = 0; jj < CHUNK; ++jj) {
-        const int j = jc + jj;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          put(i * 64 + 8 * h, j * 8 + 2 * (lane & 3), bias[jj], acc[i][4 * j + 2 * h],
-              acc[i][4 * j + 2 * h + 1]);
-        }
+      for (int jj = 0; jj < CHUNK; jj += STEP) {
+        visit(i, jc + jj, bias + jj);
       }
     }
   }
+}
+
+// put(r, c, bias, v0, v1) for each accumulator pair: row r, columns c and c + 1 of the warp's
+// 64-row slices (r from the lane's first row, c from the warp's first column).
+template <int MI, int NN, typename Put>
+__device__ __forceinline__ void qsa_wgmma_epilogue(const __nv_bfloat16* b, int N, int gcol0,
+                                                   int lane, float (&acc)[MI][NN / 2], Put put,
+                                                   const __nv_bfloat162* pre = nullptr) {
+  auto pairs = [&](int i, int j, const __nv_bfloat162* bias) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      put(i * 64 + 8 * h, j * 8 + 2 * (lane & 3), bias[0], acc[i][4 * j + 2 * h],
+          acc[i][4 * j + 2 * h + 1]);
+    }
+  };
+  qsa_epilogue_walk<MI, NN, 1>(b, N, gcol0, lane, pre, pairs);
 }
 
 // The same walk two column groups at a time, for stmatrix: put4(r, c, v) takes the packed
@@ -369,31 +384,19 @@ __device__ __forceinline__ void qsa_wgmma_epilogue_x4(const __nv_bfloat16* b, in
                                                       int lane, float (&acc)[MI][NN / 2],
                                                       Put4 put4,
                                                       const __nv_bfloat162* pre = nullptr) {
-  constexpr int J = NN / 8;
-  constexpr int CHUNK = qsa_bias_chunk<NN>();
-  static_assert(CHUNK % 2 == 0, "column groups go in pairs");
+  auto fragments = [&](int i, int j, const __nv_bfloat162* bias) {
+    unsigned v[4];
 #pragma unroll
-  for (int jc = 0; jc < J; jc += CHUNK) {
-    __nv_bfloat162 bias[CHUNK];
-    qsa_bias_for(bias, pre, jc, b, N, gcol0, lane);
-#pragma unroll
-    for (int i = 0; i < MI; ++i) {
-#pragma unroll
-      for (int jj = 0; jj < CHUNK; jj += 2) {
-        const int j = jc + jj;
-        unsigned v[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int jq = j + (q >> 1);  // fragments 0, 1: group j; 2, 3: group j + 1
-          const int h = q & 1;          // rows r (0, 2) or r + 8 (1, 3)
-          const __nv_bfloat162 p = qsa_bias_pair(bias[jj + (q >> 1)], acc[i][4 * jq + 2 * h],
-                                                 acc[i][4 * jq + 2 * h + 1]);
-          v[q] = *reinterpret_cast<const unsigned*>(&p);
-        }
-        put4(i * 64, j * 8, v);
-      }
+    for (int q = 0; q < 4; ++q) {
+      const int jq = j + (q >> 1);  // fragments 0, 1: group j; 2, 3: group j + 1
+      const int h = q & 1;          // rows r (0, 2) or r + 8 (1, 3)
+      const __nv_bfloat162 p =
+          qsa_bias_pair(bias[q >> 1], acc[i][4 * jq + 2 * h], acc[i][4 * jq + 2 * h + 1]);
+      v[q] = *reinterpret_cast<const unsigned*>(&p);
     }
-  }
+    put4(i * 64, j * 8, v);
+  };
+  qsa_epilogue_walk<MI, NN, 2>(b, N, gcol0, lane, pre, fragments);
 }
 
 // Register-store epilogue: y[row0 + r, col0 + c : +2] = bf16(acc + bias), inside M and N.
