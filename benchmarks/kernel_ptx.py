@@ -90,6 +90,13 @@ JOBS = {
     "prefill_score": (
         "prefill_score.cu", "score", SEL_IN, SEL_OUT, [("RATIO", 4), ("L", 8), ("GB", 4)], "",
     ),
+    "prefill_flash": (
+        "prefill_flash.cu", "attend",
+        [("q", BF), ("keys", BF), ("values", BF), ("ids", "int32_t"), ("valid", "bool"),
+         ("pos", "int32_t")], [("out", BF)],
+        [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4),
+         ("SCALE_BITS", 1031798784)], "",
+    ),
     "rope": (
         "rope.cu", "rope", [("x", BF), ("cos_t", "float"), ("sin_t", "float")], [("out", BF)],
         [("T", BF), ("RD", 64)], "",
