@@ -518,6 +518,28 @@ def test_tensor_map_argument_checks():
         tensormap.encode_bf16_rows(16, 64, 512)
 
 
+def test_kernel_text_carries_one_wgmma_wrapper():
+    # The header MLX copies and hashes per call keeps only the plan's qsa_wgmma_n<N> (gemm.cu's
+    # WG_TN: the tile's N over the warpgroups side by side along N).
+    import re
+
+    cases = [
+        ((192, 192, 64), 8, "tma_st", 96),  # two 192x96 warpgroups
+        ((192, 192, 64), 12, "tma_st", 192),  # three 64x192
+        ((128, 256, 64), 8, "tma", 256),  # two 64x256 stacked along M
+        ((128, 128, 64), 4, "wgmma", 128),
+        ((128, 128, 64), 4, "mma", None),  # no wgmma: the macro names no wrapper
+    ]
+    for tile, warps, family, n in cases:
+        plan = plan_gemm(tile, warps, 8, family=family)
+        assert gemm.wgmma_n(plan) == n, (tile, warps, family)
+        header, _ = kernel_text(plan)
+        define = f"QSA_WGMMA qsa_wgmma_n{n}" if n else "QSA_WGMMA(d, da, db)"
+        assert header.startswith(f"#define {define}\n")
+        wrappers = re.findall(r"void (qsa_wgmma_n\d+)\(", header)
+        assert wrappers == ([f"qsa_wgmma_n{n}"] if plan.wgmma else []), (tile, family, wrappers)
+
+
 def test_tensor_maps_made_once_per_geometry(monkeypatch):
     # The driver's encoder is replaced by one whose bytes name its arguments: the maps come
     # back in x, W, y order as uint64, and a second call with the same geometry encodes nothing.

@@ -219,22 +219,9 @@ __device__ __forceinline__ void qsa_wgmma_n256(float (&d)[128], unsigned long lo
       : "l"(da), "l"(db));
 }
 
-template <int WN>
-__device__ __forceinline__ void qsa_wgmma(float (&d)[WN / 2], unsigned long long da,
-                                          unsigned long long db) {
-  if constexpr (WN == 64) {
-    qsa_wgmma_n64(d, da, db);
-  } else if constexpr (WN == 96) {
-    qsa_wgmma_n96(d, da, db);
-  } else if constexpr (WN == 128) {
-    qsa_wgmma_n128(d, da, db);
-  } else if constexpr (WN == 192) {
-    qsa_wgmma_n192(d, da, db);
-  } else {
-    static_assert(WN == 256, "warpgroup N extent must be 64, 96, 128, 192 or 256");
-    qsa_wgmma_n256(d, da, db);
-  }
-}
+// QSA_WGMMA(d, da, db) is the plan's qsa_wgmma_n<N>: gemm.py's kernel_text defines it in front
+// of this file, so the text MLX copies and hashes on every call keeps one of the five wrappers
+// (_launch.prune drops the others).
 
 // ---- warp MMA (mma.sync m16n8k16, any sm_80+) ----
 
@@ -287,7 +274,7 @@ __device__ __forceinline__ void qsa_wgmma_kslice(float (&acc)[MI][NN / 2], unsig
     for (int i = 0; i < MI; ++i) {
       const unsigned long long da = qsa_desc_sw128(
           a_base + atom * (TM * 128) + static_cast<unsigned>((row_a + i * 64) * 128) + kin);
-      qsa_wgmma<NN>(acc[i], da, db);
+      QSA_WGMMA(acc[i], da, db);
     }
   }
   qsa_wgmma_commit();

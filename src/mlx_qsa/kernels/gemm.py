@@ -459,9 +459,26 @@ def kernel_text(plan: GemmPlan) -> tuple[str, str]:
     from mlx_qsa.kernels._launch import prune
 
     header, body, body_tma = _source()
+    n = wgmma_n(plan)
+    # the mma.sync family issues no wgmma: a macro that names no wrapper keeps none
+    header = (
+        f"#define QSA_WGMMA qsa_wgmma_n{n}\n" if n else "#define QSA_WGMMA(d, da, db)\n"
+    ) + header
     if plan.tma:
         return prune(header, body_tma) + launch_bounds_header(plan.threads, plan.cluster), body_tma
     return prune(header, body), body
+
+
+def wgmma_n(plan: GemmPlan) -> int | None:
+    """The N extent of each consumer warpgroup's wgmma (gemm.cu's WG_TN), which names the one
+    `qsa_wgmma_n<N>` wrapper the kernel uses; None for the mma.sync family."""
+    if not plan.wgmma:
+        return None
+    groups = plan.warps // 4
+    n = plan.tile[1] // (groups // plan.layout_m)
+    if n not in TMA_WGMMA_N:
+        raise NotImplementedError(f"wgmma N extent {n}: gemm.cu wraps only {TMA_WGMMA_N}")
+    return n
 
 
 @functools.cache
