@@ -1,7 +1,8 @@
 """Host time of one `mx.fast.cuda_kernel` call against the size of its source (issue 5's step is
 host-bound). MLX 0.32 rebuilds header + body on every call and hashes the result on every
 evaluation, so the same trivial kernel is timed with `common.cuh` as the library hands it to MLX
-(`_launch.compact`) and as the commented file, interleaved, in rounds:
+(an `#include` line, `_launch.include`), as its compacted text (`_launch.compact`) and as the
+commented file, interleaved, in rounds:
 
     python3 benchmarks/source_size_ab.py [OUT.json]
 
@@ -34,7 +35,12 @@ def kernel(header: str, tag: str):
 
 def main() -> None:
     full = _launch._text("common.cuh")
-    kernels = {"compact": kernel(_launch.common_header(), "compact"), "full": kernel(full, "full")}
+    headers = {
+        "include": _launch.include("common.cuh"),
+        "compact": _launch.compact(full),
+        "full": full,
+    }
+    kernels = {tag: kernel(h, tag) for tag, h in headers.items()}
     x = mx.arange(16, dtype=mx.float32)
     mx.eval(x)
 
@@ -60,7 +66,7 @@ def main() -> None:
             res[tag]["step"].append((time.perf_counter() - t0) / n * 1e6)
     summary = {
         tag: {
-            "header_bytes": len(_launch.common_header() if tag == "compact" else full),
+            "header_bytes": len(headers[tag]),
             **{f"{m}_us_median": statistics.median(v) for m, v in r.items()},
             **{f"{m}_us_min": min(v) for m, v in r.items()},
         }

@@ -56,10 +56,17 @@ def test_kernel_compiles_with_static_smem_under_the_bound(name, tmp_path):
     assert "spill" not in r.stderr or "0 bytes spill stores, 0 bytes spill loads" in r.stderr
 
 
-def test_compacted_sources_compile_to_the_same_ptx(tmp_path, monkeypatch):
-    # MLX gets each kernel without comments or indentation (`_launch.compact`) and with only the
-    # part of common.cuh it reaches (`_launch.prune`): less host time per call. The compiled
-    # code must be the one the whole commented files describe.
+def _pasted(filename: str) -> str:
+    """What `_launch.include` stands for: the file's text itself, as it is."""
+    from mlx_qsa.kernels import _launch
+
+    return (_launch._DIR / filename).read_text()
+
+
+def test_sources_as_mlx_gets_them_compile_to_the_same_ptx(tmp_path, monkeypatch):
+    # MLX gets each kernel body without comments or indentation (`_launch.compact`) and
+    # common.cuh as an `#include` line (`_launch.include`): less text to copy and hash per
+    # call. The compiled code must be the one the commented files, pasted whole, describe.
     from mlx_qsa.kernels import _launch
 
     kp = _kernel_ptx()
@@ -75,43 +82,37 @@ def test_compacted_sources_compile_to_the_same_ptx(tmp_path, monkeypatch):
             out[name] = [ln for ln in ptx.read_text().split("\n") if not ln.startswith("//")]
         return out
 
-    compacted = ptx_of("compact")
-    size_compacted = len(kp.source(*kp.JOBS["fused"]))
-    # and with the whole of common.cuh (`_launch.prune` leaves out what a kernel never names)
+    as_given = ptx_of("given")
+    size_given = len(kp.source(*kp.JOBS["fused"]))
     monkeypatch.setattr(_launch, "compact", lambda text: text)
-    monkeypatch.setattr(_launch, "prune", lambda header, source: header)
+    monkeypatch.setattr(_launch, "include", _pasted)
     _launch.kernel_sections.cache_clear()
-    _launch.common_header.cache_clear()
     try:
         size_full = len(kp.source(*kp.JOBS["fused"]))
         full = ptx_of("full")
     finally:
         monkeypatch.undo()
         _launch.kernel_sections.cache_clear()
-        _launch.common_header.cache_clear()
-    assert size_compacted < 0.75 * size_full, (size_compacted, size_full)
-    assert compacted.keys() == full.keys()
-    for name in compacted:
-        assert compacted[name] == full[name], name
+    assert size_given < 0.3 * size_full, (size_given, size_full)
+    assert as_given.keys() == full.keys()
+    for name in as_given:
+        assert as_given[name] == full[name], name
 
 
 def test_common_header_only_for_bodies_that_use_it():
-    # MLX copies and hashes the header with every call: the RoPE and RMSNorm kernels, which use
-    # nothing of common.cuh, go without it; the kernels that do (qsa::) get the part they reach.
+    # The RoPE and RMSNorm kernels, which use nothing of common.cuh, go without it; the
+    # kernels that do (qsa::) include it.
     from mlx_qsa.kernels import _launch
 
-    header = _launch.common_header()
-    assert "namespace qsa" in header
+    line = _launch.include("common.cuh")
     for filename in ("rope.cu", "rms_norm.cu"):
         for name, body in _launch.kernel_sections(filename).items():
             assert _launch.header_for(body) == "", (filename, name)
     for filename in ("selector.cu", "flash_decode.cu", "rows_gather.cu", "split_k_merge.cu"):
         for name, body in _launch.kernel_sections(filename).items():
             if "qsa::" in body:
-                got = _launch.header_for(body)
-                assert "namespace qsa {" in got and len(got) < len(header), (filename, name)
-    got = _launch.header_for("x = qsa::neg_inf();")
-    assert "neg_inf()" in got and "partial_attention" not in got
+                assert _launch.header_for(body) == line, (filename, name)
+    assert _launch.header_for("x = qsa::neg_inf();") == line
     assert _launch.header_for("x = 1.0f;") == ""
 
 
@@ -124,9 +125,9 @@ _GEMM_PLANS = [  # one of each kernel family, as (tile, warps, family)
 ]
 
 
-def test_gemm_header_pruned_to_the_same_ptx(tmp_path, monkeypatch):
-    # The GEMM's header goes to MLX pruned to what its body reaches (`_launch.prune`): each
-    # family's kernel must compile to the same PTX as with the whole of gemm.cu.
+def test_gemm_header_included_compiles_to_the_same_ptx(tmp_path, monkeypatch):
+    # The GEMM's device code goes to MLX as `#include "…/gemm.cuh"`: each family's kernel must
+    # compile to the same PTX as with gemm.cuh pasted in its place.
     import sys
 
     from mlx_qsa.kernels import _launch
@@ -151,9 +152,9 @@ def test_gemm_header_pruned_to_the_same_ptx(tmp_path, monkeypatch):
     for tile, warps, family in _GEMM_PLANS:
         plan = plan_gemm(tile, warps, 8, family=family)
         tag = f"{family}_{tile[0]}x{tile[1]}"
-        pruned = kernel_source(plan)
+        given = kernel_source(plan)
         with monkeypatch.context() as m:
-            m.setattr(_launch, "prune", lambda header, source: header)
+            m.setattr(_launch, "include", _pasted)
             whole = kernel_source(plan)
-        assert len(pruned) < 0.85 * len(whole), (tag, len(pruned), len(whole))
-        assert ptx(pruned, tag + "_pruned") == ptx(whole, tag + "_whole"), tag
+        assert '#include "' in given and len(given) < 0.1 * len(whole), (tag, len(given))
+        assert ptx(given, tag + "_given") == ptx(whole, tag + "_whole"), tag

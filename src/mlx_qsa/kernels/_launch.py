@@ -1,10 +1,12 @@
 """Shared helpers of the CUDA launchers: kernel sources, one kernel per key, naming, checks.
 
 A ``.cu`` file holds one or more kernel bodies (MLX generates each signature from the input and
-output names); sections start with a line ``//// kernel: <name>``. ``common.cuh`` goes in through
-``header=``. Kernels are built once per key (``functools.cache``) and named after the key and a
-digest of their source, so neither MLX's in-process module cache (keyed by name) nor a persistent
-``MLX_PTX_CACHE_DIR`` can hand back a kernel compiled from other source.
+output names); sections start with a line ``//// kernel: <name>``. Device code shared by kernels
+(``common.cuh``, ``gemm.cuh``) goes in through ``header=`` as an ``#include`` of the file
+(``include``). Kernels are built once per key (``functools.cache``) and named after the key and
+a digest of their source and of the files they include, so neither MLX's in-process module cache
+(keyed by name) nor a persistent ``MLX_PTX_CACHE_DIR`` can hand back a kernel compiled from
+other source.
 """
 
 from __future__ import annotations
@@ -34,9 +36,8 @@ def _text(filename: str) -> str:
 def compact(text: str) -> str:
     """CUDA text without comments, indentation or blank lines: the same tokens on fewer bytes.
 
-    MLX 0.32 rebuilds a kernel's whole source (header + body) on every ``cuda_kernel`` call and
-    hashes it on every evaluation (``mlx/backend/cuda/custom_kernel.cpp``): host time per step
-    that grows with the text, ~40 KB per decode kernel with the comments. Lines are kept (the
+    Kernel bodies go to MLX as text, which it copies on every call and hashes on every
+    evaluation (see ``include``), so they go without their comments. Lines are kept (the
     preprocessor is line-based); string and character literals are copied as they are.
     """
     out: list[str] = []
@@ -70,143 +71,6 @@ def compact(text: str) -> str:
     return "".join(line + "\n" for line in lines if line)
 
 
-_IDENT = re.compile(r"[A-Za-z_]\w*")
-_NAMESPACE = re.compile(r"\s*namespace(\s+\w+)?\s*$")
-_TYPE_NAME = re.compile(r"\s*(?:struct|class|union|enum(?:\s+class)?)\s+(\w+)")
-
-
-def _skip_literal(text: str, i: int) -> int:
-    """Index just past the string or character literal that starts at ``text[i]``."""
-    j = i + 1
-    while j < len(text) and text[j] != text[i]:
-        j += 2 if text[j] == "\\" else 1
-    return j + 1
-
-
-def _strip_template(item: str) -> str:
-    """``item`` without a leading ``template <...>`` parameter list (angle brackets balanced)."""
-    m = re.match(r"\s*template\s*<", item)
-    if m is None:
-        return item
-    depth, i = 1, m.end()
-    while i < len(item) and depth:
-        depth += {"<": 1, ">": -1}.get(item[i], 0)
-        i += 1
-    return item[i:]
-
-
-def _defined_name(item: str) -> str | None:
-    """The name a top-level item defines (function, type, variable, alias), or None (kept)."""
-    rest = _strip_template(item)
-    if m := _TYPE_NAME.match(rest):
-        return m.group(1)
-    head = re.split(r"[({=\[;]", rest, maxsplit=1)[0]
-    names = _IDENT.findall(head)
-    if not names or names[-1] == "operator":
-        return None
-    return names[-1]
-
-
-def top_level_items(text: str) -> list[tuple[str, str | None]]:
-    """``compact`` CUDA text as its top-level items in order, each with the name it defines, or
-    None for what is always kept: preprocessor lines, namespace openings and closings, items
-    whose name cannot be read. An item ends at its closing brace (and a ``;`` right after it) or
-    at a ``;`` outside braces."""
-    items: list[tuple[str, str | None]] = []
-    depth = namespaces = start = i = 0
-    n = len(text)
-
-    def emit(end: int, keep: bool = False) -> None:
-        nonlocal start
-        item = text[start:end]
-        if item.strip():
-            items.append((item, None if keep else _defined_name(item)))
-        elif item and items:  # blank text between items goes with the one before
-            items[-1] = (items[-1][0] + item, items[-1][1])
-        elif item:
-            items.append((item, None))
-        start = end
-
-    while i < n:
-        c = text[i]
-        if c in "\"'":
-            i = _skip_literal(text, i)
-            continue
-        if depth == 0 and c == "#" and (i == 0 or text[i - 1] == "\n"):
-            emit(i)
-            end = text.find("\n", i)
-            i = n if end < 0 else end + 1
-            emit(i, keep=True)
-            continue
-        if c == "{":
-            if depth == 0 and _NAMESPACE.match(text[start:i]):
-                i += 1
-                emit(i, keep=True)
-                namespaces += 1
-                continue
-            depth += 1
-        elif c == "}":
-            if depth == 0 and namespaces:
-                emit(i)
-                i += 1
-                emit(i, keep=True)
-                namespaces -= 1
-                continue
-            depth -= 1
-            if depth == 0:
-                j = i + 1
-                while j < n and text[j] in " \t\n":
-                    j += 1
-                i = j + 1 if j < n and text[j] == ";" else i + 1
-                emit(i)
-                continue
-        elif c == ";" and depth == 0:
-            i += 1
-            emit(i)
-            continue
-        i += 1
-    emit(n)
-    return items
-
-
-@functools.lru_cache(maxsize=256)
-def prune(header: str, source: str) -> str:
-    """``header`` without the top-level items that ``source`` does not reach.
-
-    MLX 0.32 builds each kernel's text (header + generated signature + body) on every
-    ``cuda_kernel`` call and hashes it on every evaluation, ~10 µs per call for a 35 KB header
-    on a CPU core; an item the kernel never names compiles to nothing, so leaving it out keeps
-    the kernel's code. Reachability goes by identifier: an item is kept when ``source``, an
-    always-kept item or a kept item names what it defines (every overload of a name is kept).
-    """
-    items = top_level_items(header)
-    by_name: dict[str, list[int]] = {}
-    for k, (_, name) in enumerate(items):
-        if name is not None:
-            by_name.setdefault(name, []).append(k)
-    kept = [name is None for _, name in items]
-    todo = set(_IDENT.findall(source))
-    for item, name in items:
-        if name is None:
-            todo.update(_IDENT.findall(item))
-    seen: set[str] = set()
-    while todo:
-        ident = todo.pop()
-        if ident in seen:
-            continue
-        seen.add(ident)
-        for k in by_name.get(ident, ()):
-            if not kept[k]:
-                kept[k] = True
-                todo.update(_IDENT.findall(items[k][0]))
-    # each kept item on lines of its own: a preprocessor line must start one
-    return "".join(
-        item if item.endswith("\n") else item + "\n"
-        for (item, _), keep in zip(items, kept, strict=True)
-        if keep
-    )
-
-
 @functools.cache
 def kernel_sections(filename: str) -> dict[str, str]:
     """The kernel bodies of ``filename`` (a ``.cu`` beside this module), by section name, as
@@ -222,18 +86,34 @@ def kernel_sections(filename: str) -> dict[str, str]:
     return out
 
 
-@functools.cache
-def common_header() -> str:
-    """``common.cuh`` as MLX gets it (``compact``)."""
-    return compact(_text("common.cuh"))
+def include(filename: str) -> str:
+    """An ``#include`` of ``filename`` (a header beside this module) by its absolute path, as
+    ``header=`` text.
+
+    MLX 0.32 copies a kernel's whole text (header + generated signature + body) on every
+    ``cuda_kernel`` call and hashes it on every evaluation (``mlx/backend/cuda/custom_kernel.cpp``),
+    host time that grows with the text (a 35 KB text: ~20 µs a call on a CPU core). NVRTC reads
+    the included file when it compiles; the text MLX copies stays one line. Kernel names carry a
+    digest of the file's contents (``included_text``), so a changed file is a new kernel.
+    """
+    path = str(_DIR / filename)
+    if any(c in path for c in '"\\\n'):
+        raise RuntimeError(f"{path}: an #include line cannot name this path")
+    return f'#include "{path}"\n'
 
 
 def header_for(source: str) -> str:
-    """The header a kernel body gets: the part of ``common.cuh`` the body reaches (``prune``)
-    where it uses it (names ``qsa::``), else none. MLX 0.32 copies the header into the kernel's
-    source on every call and hashes that source on every evaluation; the RoPE and RMSNorm
-    kernels (four of a CUDA decode step's six) use none of its 15 KB, the selector ~3 KB."""
-    return prune(common_header(), source) if "qsa::" in source else ""
+    """The header a kernel body gets: ``common.cuh`` where the body uses it (names ``qsa::``),
+    else none."""
+    return include("common.cuh") if "qsa::" in source else ""
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"$', re.M)
+
+
+def included_text(header: str) -> str:
+    """The contents of the files ``header`` includes through ``include`` (for kernel names)."""
+    return "".join(Path(p).read_text() for p in _INCLUDE.findall(header))
 
 
 def _digest(*parts: str) -> str:
@@ -272,7 +152,8 @@ def build(
     source = prefix + "".join(sections[part] for part in section.split("+"))
     header = header_for(source)
     base = section.replace("+", "_")
-    name = kernel_name(f"{base}_{_digest(header, source)}", key + (shared_memory,))
+    digest = _digest(header, included_text(header), source)
+    name = kernel_name(f"{base}_{digest}", key + (shared_memory,))
     return mx.fast.cuda_kernel(
         name=name,
         input_names=list(inputs),

@@ -1,5 +1,5 @@
-// Device helpers shared by the QSA decode kernels (passed to MLX through `header=`).
-// Everything lives in namespace qsa; MLX pastes this file before the generated kernel.
+// Device helpers shared by the QSA decode and prefill kernels. Everything lives in namespace
+// qsa; a kernel that uses it gets this file as an `#include` line in `header=` (_launch.include).
 
 namespace qsa {
 

@@ -1,4 +1,4 @@
-"""Tensor-core GEMM `y = x · Wᵀ + b` through `mx.fast.cuda_kernel` (kernel body: `gemm.cu`).
+"""Tensor-core GEMM `y = x · Wᵀ + b` through `mx.fast.cuda_kernel` (device code: `gemm.cuh`).
 
 `x [M, K]`, `W [N, K]`, `b [N]` and `y [M, N]` are bf16; products accumulate in fp32 and the
 epilogue is `y = bf16(acc + float(b))`, the order of cuBLASLt's bias epilogue. A configuration is a
@@ -6,7 +6,7 @@ block tile `[TM, TN, TK]`, warps per block and `walk_m` (grouped rasterisation, 
 Tiles whose warps form whole warpgroups run on `wgmma` (sm_90a); the others run on warp-level
 `mma.sync` m16n8k16. Both read a cp.async ring of 128-byte-swizzled shared-memory stages.
 Family `tma` is the Hopper design: a persistent grid (one block per SM), one producer warp
-feeding TMA tile loads through mbarriers to `warps` consumer warps on wgmma (gemm.cu); family
+feeding TMA tile loads through mbarriers to `warps` consumer warps on wgmma (gemm.cuh); family
 `tma_mc` runs it in clusters of two blocks that share each W tile by TMA multicast; family
 `tma_st` stages each finished tile in the ring's last stages and writes it with TMA stores, so
 the consumers start the next tile while the store drains; `tma_mc_st` is both.
@@ -21,7 +21,6 @@ import functools
 import hashlib
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,9 +28,8 @@ if TYPE_CHECKING:
 
     from mlx_qsa.kernels.device import DeviceLimits
 
-SOURCE_PATH = Path(__file__).with_name("gemm.cu")
-BODY_MARKER = "//// BODY ////"
-TMA_BODY_MARKER = "//// BODY tma ////"
+HEADER = "gemm.cuh"  # device code, included through `header=`
+BODIES = "gemm.cu"  # kernel bodies: sections `gemm` (cp.async families) and `gemm_tma`
 
 MAX_DYNAMIC_SMEM = 232_448  # bytes per block on sm_90 (227 KiB)
 SMEM_ALIGN_PAD = 1024  # the swizzled stages start on a 1024-byte boundary
@@ -66,7 +64,7 @@ SUBPARTITION_REGS = 16384
 # 128-accumulator 128x256x64 kernel at 166 registers: benchmarks/gemm_registers.py).
 ACC_OVERHEAD_REGS = 40
 WGMMA_N = (64, 128, 256)  # warpgroup N extents of the cp.async wgmma family
-TMA_WGMMA_N = (64, 96, 128, 192, 256)  # and of the TMA family (every wrapper in gemm.cu)
+TMA_WGMMA_N = (64, 96, 128, 192, 256)  # and of the TMA family (every wrapper in gemm.cuh)
 FAMILIES = ("auto", "wgmma", "mma", "tma", "tma_mc", "tma_st", "tma_mc_st")
 HOPPER_FAMILIES = ("wgmma", "tma", "tma_mc", "tma_st", "tma_mc_st")
 
@@ -265,7 +263,7 @@ def plan_gemm(
             f"tile {[tm, tn, tk]} / 12 warps: three consumer warpgroups need a tma family"
         )
     threads = 32 * warps
-    # gemm.cu's loader: each thread keeps one 16-byte column chunk, rows threads/chunks apart.
+    # gemm.cuh's loader: each thread keeps one 16-byte column chunk, rows threads/chunks apart.
     chunks = tk // 8
     if threads % chunks or tm % (threads // chunks) or tn % (threads // chunks):
         raise NotImplementedError(
@@ -399,7 +397,7 @@ def _plan_tma(
 
 def _spare_boxes(tm: int, tn: int, tk: int, stages: int, limit: int = MAX_DYNAMIC_SMEM) -> int:
     """64-column boxes of a finished tile beyond one ring stage's, when they fit after the
-    ring (gemm.cu's SPARE_BOXES): the tile then keeps one stage during its epilogue instead of
+    ring (gemm.cuh's SPARE_BOXES): the tile then keeps one stage during its epilogue instead of
     two, and the producer has the other stages for the next tile. 0 when one stage holds the
     tile, when the rest would need more than one more stage's worth, or when no room is left."""
     stage = (tm + tn) * tk * 2
@@ -413,7 +411,7 @@ def _spare_boxes(tm: int, tn: int, tk: int, stages: int, limit: int = MAX_DYNAMI
 
 
 def tile_coords(pid: int, tiles_m: int, tiles_n: int, walk_m: int) -> tuple[int, int]:
-    """Block `pid` -> (tile_m, tile_n), the rasterisation of SWEEP.md §4 (same as gemm.cu)."""
+    """Block `pid` -> (tile_m, tile_n), the rasterisation of SWEEP.md §4 (same as gemm.cuh)."""
     if walk_m == 0:
         return pid // tiles_n, pid % tiles_n
     span = walk_m * tiles_n
@@ -421,20 +419,6 @@ def tile_coords(pid: int, tiles_m: int, tiles_n: int, walk_m: int) -> tuple[int,
     g = min(tiles_m - first, walk_m)
     r = pid % span
     return first + r % g, r // g
-
-
-@functools.cache
-def _source() -> tuple[str, str, str]:
-    """(header, cp.async body, tma body) of gemm.cu, read once, without comments or indentation
-    (`_launch.compact`: MLX copies and hashes the whole text on every call, 51 KB as written)."""
-    from mlx_qsa.kernels._launch import compact
-
-    text = SOURCE_PATH.read_text()
-    header, sep, bodies = text.partition(BODY_MARKER + "\n")
-    body, sep2, body_tma = bodies.partition(TMA_BODY_MARKER + "\n")
-    if not sep or not sep2:
-        raise RuntimeError(f"{SOURCE_PATH}: missing {BODY_MARKER!r} or {TMA_BODY_MARKER!r}")
-    return compact(header), compact(body), compact(body_tma)
 
 
 def launch_bounds_header(threads: int, cluster: int = 1) -> str:
@@ -455,29 +439,31 @@ def launch_bounds_header(threads: int, cluster: int = 1) -> str:
 
 
 def kernel_text(plan: GemmPlan) -> tuple[str, str]:
-    """(header, body) that `_kernel` hands to `mx.fast.cuda_kernel` for `plan`."""
-    from mlx_qsa.kernels._launch import prune
+    """(header, body) that `_kernel` hands to `mx.fast.cuda_kernel` for `plan`: the header
+    defines `QSA_WGMMA` and includes gemm.cuh (`_launch.include`: MLX copies and hashes this
+    text on every call), the body is gemm.cu's section for the family."""
+    from mlx_qsa.kernels._launch import include, kernel_sections
 
-    header, body, body_tma = _source()
     n = wgmma_n(plan)
-    # the mma.sync family issues no wgmma: a macro that names no wrapper keeps none
+    # the mma.sync family issues no wgmma: its macro names no wrapper
     header = (
         f"#define QSA_WGMMA qsa_wgmma_n{n}\n" if n else "#define QSA_WGMMA(d, da, db)\n"
-    ) + header
+    ) + include(HEADER)
+    bodies = kernel_sections(BODIES)
     if plan.tma:
-        return prune(header, body_tma) + launch_bounds_header(plan.threads, plan.cluster), body_tma
-    return prune(header, body), body
+        return header + launch_bounds_header(plan.threads, plan.cluster), bodies["gemm_tma"]
+    return header, bodies["gemm"]
 
 
 def wgmma_n(plan: GemmPlan) -> int | None:
-    """The N extent of each consumer warpgroup's wgmma (gemm.cu's WG_TN), which names the one
+    """The N extent of each consumer warpgroup's wgmma (gemm.cuh's WG_TN), which names the one
     `qsa_wgmma_n<N>` wrapper the kernel uses; None for the mma.sync family."""
     if not plan.wgmma:
         return None
     groups = plan.warps // 4
     n = plan.tile[1] // (groups // plan.layout_m)
     if n not in TMA_WGMMA_N:
-        raise NotImplementedError(f"wgmma N extent {n}: gemm.cu wraps only {TMA_WGMMA_N}")
+        raise NotImplementedError(f"wgmma N extent {n}: gemm.cuh wraps only {TMA_WGMMA_N}")
     return n
 
 
@@ -485,8 +471,11 @@ def wgmma_n(plan: GemmPlan) -> int | None:
 def _kernel(plan: GemmPlan):
     import mlx.core as mx
 
+    from mlx_qsa.kernels._launch import included_text
+
     header, source = kernel_text(plan)
-    digest = hashlib.sha1((header + source).encode()).hexdigest()[:10]
+    text = header + included_text(header) + source
+    digest = hashlib.sha1(text.encode()).hexdigest()[:10]
     # MLX caches compiled modules by name (in memory and in MLX_PTX_CACHE_DIR), so the name
     # carries the whole key and the digest of the text it compiles.
     return mx.fast.cuda_kernel(
@@ -503,7 +492,7 @@ def _kernel(plan: GemmPlan):
 @functools.lru_cache(maxsize=256)
 def _tensor_maps(m: int, n: int, k: int, box_m: int, box_n: int, store: bool = False):
     """x's and W's tensor-map templates (and, with `store`, y's: boxes of 64 columns x `box_m`
-    rows) as one uint64 array [32] or [48], in the order gemm.cu reads them.
+    rows) as one uint64 array [32] or [48], in the order gemm.cuh reads them.
 
     Made once per geometry (at most 256 kept), as a GPU-made copy: an array made from host data
     lives in MLX's managed memory (device_arrays), and the first kernel to read such an array
@@ -556,8 +545,25 @@ def gemm_bias(
 ) -> mx.array:
     """`x [M, K] · w[N, K]ᵀ + b [N] -> y [M, N]`, bf16, on the custom CUDA kernel.
 
-    `init_value` fills `y` before the kernel runs (tests poison it with NaN).
+    `init_value` fills `y` before the kernel runs (tests poison it with NaN). Checks, the plan,
+    the tensor maps and the launch arguments are made once per signature (`_launch.Plans`);
+    later calls with the same shapes and options only launch.
     """
+    opts = (tuple(tile), warps, walk_m, stages, family, init_value)
+    sig = (x.shape, x.dtype, w.shape, w.dtype, b.shape, b.dtype) + opts
+    return _runs().get(sig, lambda: _plan_run(x, w, b, *opts))(x, w, b)
+
+
+@functools.cache
+def _runs():
+    """The planned `gemm_bias` launches by signature (`_launch.Plans`, made on first use)."""
+    from mlx_qsa.kernels._launch import Plans
+
+    return Plans()
+
+
+def _plan_run(x, w, b, tile, warps, walk_m, stages, family, init_value):
+    """The run of one `gemm_bias` signature: checks, plan, kernel, tensor maps, launch shape."""
     import mlx.core as mx
 
     if not mx.cuda.is_available():
@@ -570,7 +576,7 @@ def gemm_bias(
     limits = device.current()
     family = family_for_device(family, limits)
     smem = limits.max_shared_memory if limits is not None else MAX_DYNAMIC_SMEM
-    plan = _cached_plan(tuple(tile), warps, walk_m, stages, family, smem)
+    plan = _cached_plan(tile, warps, walk_m, stages, family, smem)
     if plan.cluster > 1:
         from mlx_qsa.kernels._launch import env_switch
 
@@ -578,39 +584,48 @@ def gemm_bias(
             raise NotImplementedError(f"gemm_bias(family={family!r}): {why}")
     m, n = x.shape[0], w.shape[0]
     threads = plan.threads
+    kernel = _kernel(plan)
+    template = plan.template()
+    block = (threads, 1, 1)
     if plan.tma:
         blocks = plan.blocks(m, n, device.sm_count())
         tm, tn, _ = plan.tile
-        y, _ = _kernel(plan)(
-            inputs=[
-                x,
-                w,
-                b,
-                _tensor_maps(m, n, x.shape[1], tm, tn // plan.cluster, plan.tma_store),
-            ],
-            # Each block publishes its tensor maps into its slot of `scratch`, 128 bytes a map
-            # (+128 bytes so the kernel can align the slots).
-            output_shapes=[(m, n), (TMA_MAP_BYTES * plan.maps * blocks + 128,)],
-            output_dtypes=[mx.bfloat16, mx.uint8],
-            grid=(blocks * threads, 1, 1),
-            threadgroup=(threads, 1, 1),
-            template=plan.template(),
-            init_value=init_value,
-        )
-        return y
+        tmaps = _tensor_maps(m, n, x.shape[1], tm, tn // plan.cluster, plan.tma_store)
+        # Each block publishes its tensor maps into its slot of `scratch`, 128 bytes a map
+        # (+128 bytes so the kernel can align the slots).
+        shapes = [(m, n), (TMA_MAP_BYTES * plan.maps * blocks + 128,)]
+        dtypes = [mx.bfloat16, mx.uint8]
+        grid = (blocks * threads, 1, 1)
+
+        def run_tma(x, w, b):
+            return kernel(
+                inputs=[x, w, b, tmaps],
+                output_shapes=shapes,
+                output_dtypes=dtypes,
+                grid=grid,
+                threadgroup=block,
+                template=template,
+                init_value=init_value,
+            )[0]
+
+        return run_tma
     total = plan.blocks(m, n) * threads
     if total > 2**31 - 1:
         raise ValueError(f"gemm_bias: {plan.blocks(m, n)} blocks exceed the launch limit")
-    (y,) = _kernel(plan)(
-        inputs=[x, w, b],
-        output_shapes=[(m, n)],
-        output_dtypes=[mx.bfloat16],
-        grid=(total, 1, 1),
-        threadgroup=(threads, 1, 1),
-        template=plan.template(),
-        init_value=init_value,
-    )
-    return y
+    shapes, dtypes, grid = [(m, n)], [mx.bfloat16], (total, 1, 1)
+
+    def run(x, w, b):
+        return kernel(
+            inputs=[x, w, b],
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+            grid=grid,
+            threadgroup=block,
+            template=template,
+            init_value=init_value,
+        )[0]
+
+    return run
 
 
 def cluster_launch_unsupported(use_cuda_graphs: str | None) -> str | None:

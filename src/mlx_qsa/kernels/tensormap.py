@@ -3,7 +3,7 @@
 `mx.fast.cuda_kernel` passes arrays only, and an MLX array's device address is not known before
 the kernel runs, so the host encodes each operand's tensor map at a placeholder address with
 `cuTensorMapEncodeTiled`; the kernel copies it, points it at the operand (`tensormap.replace`)
-and publishes it for its TMA loads (gemm.cu). The driver library is loaded on first use only.
+and publishes it for its TMA loads (gemm.cuh). The driver library is loaded on first use only.
 """
 
 from __future__ import annotations
