@@ -40,7 +40,6 @@ DEFAULT = [
 
 def kernel_source(plan: GemmPlan) -> str:
     header, body = kernel_text(plan)
-    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in plan.template())
     params = []
     for name in ["x", "w", "b"] + (["tmaps"] if plan.tma else []):
         params.append(f"const {'uint64_t' if name == 'tmaps' else '__nv_bfloat16'}* {name}")
@@ -56,7 +55,6 @@ def kernel_source(plan: GemmPlan) -> str:
         + "namespace mlx::core::cu {\n__global__ void qsa_kernel("
         + ", ".join(params)
         + ") {\n"
-        + consts
         + body
         + "\n}\n}\n"
     )

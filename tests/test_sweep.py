@@ -363,7 +363,7 @@ def test_tma_store_plans():
     # The text MLX copies and hashes per call is short: gemm.cuh goes in as an #include line,
     # the body without comments or indentation.
     path = Path(gemm.__file__).with_name("gemm.cuh")
-    assert f'#include "{path}"\n' in header and len(header) + len(body) < 600
+    assert f'#include "{path}"\n' in header and len(header) + len(body) < 1000
     assert "//" not in body and "\n " not in body
     assert "qsa_gemm_tma<TM, TN, TK, WARPS" in body.replace("\n", " ")
 

@@ -441,7 +441,9 @@ def launch_bounds_header(threads: int, cluster: int = 1) -> str:
 def kernel_text(plan: GemmPlan) -> tuple[str, str]:
     """(header, body) that `_kernel` hands to `mx.fast.cuda_kernel` for `plan`: the header
     defines `QSA_WGMMA` and includes gemm.cuh (`_launch.include`: MLX copies and hashes this
-    text on every call), the body is gemm.cu's section for the family."""
+    text on every call), the body declares the plan's constants (`GemmPlan.template`) and runs
+    gemm.cu's section for the family. MLX would format a `template=` list into the text on
+    every call; one kernel per plan has them fixed."""
     from mlx_qsa.kernels._launch import include, kernel_sections
 
     n = wgmma_n(plan)
@@ -449,10 +451,12 @@ def kernel_text(plan: GemmPlan) -> tuple[str, str]:
     header = (
         f"#define QSA_WGMMA qsa_wgmma_n{n}\n" if n else "#define QSA_WGMMA(d, da, db)\n"
     ) + include(HEADER)
+    consts = "".join(f"constexpr int {name} = {value};\n" for name, value in plan.template())
     bodies = kernel_sections(BODIES)
     if plan.tma:
-        return header + launch_bounds_header(plan.threads, plan.cluster), bodies["gemm_tma"]
-    return header, bodies["gemm"]
+        header += launch_bounds_header(plan.threads, plan.cluster)
+        return header, consts + bodies["gemm_tma"]
+    return header, consts + bodies["gemm"]
 
 
 def wgmma_n(plan: GemmPlan) -> int | None:
@@ -585,7 +589,6 @@ def _plan_run(x, w, b, tile, warps, walk_m, stages, family, init_value):
     m, n = x.shape[0], w.shape[0]
     threads = plan.threads
     kernel = _kernel(plan)
-    template = plan.template()
     block = (threads, 1, 1)
     if plan.tma:
         blocks = plan.blocks(m, n, device.sm_count())
@@ -604,7 +607,6 @@ def _plan_run(x, w, b, tile, warps, walk_m, stages, family, init_value):
                 output_dtypes=dtypes,
                 grid=grid,
                 threadgroup=block,
-                template=template,
                 init_value=init_value,
             )[0]
 
@@ -621,7 +623,6 @@ def _plan_run(x, w, b, tile, warps, walk_m, stages, family, init_value):
             output_dtypes=dtypes,
             grid=grid,
             threadgroup=block,
-            template=template,
             init_value=init_value,
         )[0]
 
