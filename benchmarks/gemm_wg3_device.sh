@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# 192x192 tiles as three 64x192 consumer warpgroups (12 warps, one m64n192 wgmma per k-step)
-# against two 192x96 ones (8 warps, three m64n96), and the bias pairs loaded before the k-loop,
-# against the tree in .old/main/src; on the lent GPU after MLX's CUDA build is staged:
+# The GEMM on the lent GPU: tests, kernel times, profiles, sweeps and host cost of this tree,
+# against the tree in .old/main/src; after MLX's CUDA build is staged:
 #   source .device/part-b/activate.sh && bash benchmarks/gemm_wg3_device.sh tests|ncu|sweeps ...
 # tests:  tests/test_gemm_cuda.py and tests/test_sweep.py (the cluster cases in their own process
 #         without CUDA graphs; TESTS_K, when set, is pytest's -k expression)
@@ -10,7 +9,12 @@
 # NEW and OLD (source trees) default to ./src and ./.old/main/src
 # profile: Nsight Compute's full set of one call of each PROFILE configuration (this tree, graphs
 #         off): details page, its summary lines, and per-instruction stall samples (sass CSV)
-# sweeps: steady qkv sweeps, tma_st with graphs on (the default), tma_mc_st with graphs off
+# sweeps: steady qkv sweeps, tma_st with graphs on (the default), tma_mc_st with graphs off;
+#         SWEEP_TREES (default "new") names the trees in order, e.g. "old new old new"
+# host:   host cost per call: benchmarks/source_size_ab.py (this tree), then
+#         benchmarks/gemm_host_cost.py for HOST_CONFIGS in the old tree and this one
+# gap:    benchmarks/steady_gap.py (this tree): submit against wall time of steady calls
+# dtests: the CUDA decode and prefill tests (this tree)
 set -u
 OUT="${OUT:-/tmp/gemm-wg3}"
 mkdir -p "$OUT"
@@ -46,8 +50,30 @@ for what in "$@"; do
       rm -f "$OUT/full.ncu-rep"
       xz -dc "$OUT/details.txt.xz" | grep -E "^  [a-z_]|Duration|SM Frequency|Compute \(SM\) Throughput|L2 Cache Throughput|L2 Hit Rate|DRAM Throughput|Issue Slots Busy|Warp Cycles Per Issued" \
         | cut -c1-150 ;;
+    host)
+      echo "== host"
+      PYTHONPATH="$NEW:$BASE_PATH" timeout 90 python3 benchmarks/source_size_ab.py "$OUT/source_size.json"
+      for tree in ${OLD:+old} new; do
+        src="$NEW"; [ "$tree" = old ] && src="$OLD"
+        echo "-- $tree"
+        PYTHONPATH="$src:$BASE_PATH" timeout 90 python3 benchmarks/gemm_host_cost.py \
+          ${HOST_CONFIGS:-addmm tma_st:192x192x64/8/8}
+      done 2>&1 | tee "$OUT/host_cost.log" ;;
+    gap)
+      echo "== gap"
+      PYTHONPATH="$NEW:$BASE_PATH" timeout 150 python3 benchmarks/steady_gap.py \
+        ${GAP_CONFIGS:-addmm tma_st:192x192x64/8/8} 2>&1 | tee "$OUT/steady_gap.log" ;;
+    dtests)
+      echo "== dtests"
+      PYTHONPATH="$NEW:$BASE_PATH" timeout 240 python3 -m pytest -o addopts= -q -x -rs \
+        -p no:cacheprovider tests/test_cuda_decode.py tests/test_cuda_prefill.py 2>&1 \
+        | tee "$OUT/dtests.log" | tail -4 ;;
     sweeps)
       echo "== sweeps"
+      k=0
+      for tree in ${SWEEP_TREES:-new}; do
+      k=$((k + 1))
+      src="$NEW"; [ "$tree" = old ] && src="$OLD"
       for fam in tma_st tma_mc_st; do
         graphs=1
         tiles=192x192x64/8,192x192x64/12
@@ -56,10 +82,12 @@ for what in "$@"; do
           graphs=0
           tiles=192x192x64/12
         fi
-        echo "-- family $fam, MLX_USE_CUDA_GRAPHS=$graphs"
-        PYTHONPATH="$NEW:$BASE_PATH" MLX_USE_CUDA_GRAPHS=$graphs timeout 200 python3 -m mlx_qsa sweep \
+        echo "-- $tree tree, family $fam, MLX_USE_CUDA_GRAPHS=$graphs"
+        PYTHONPATH="$src:$BASE_PATH" MLX_USE_CUDA_GRAPHS=$graphs timeout 200 python3 -m mlx_qsa sweep \
           --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 --steady 20x7 --family "$fam" \
-          --tiles "$tiles" --walk-m "${WALKS:-4,8}" --out "$OUT/qkv_$fam.json" 2>&1 | tail -"${SWEEP_TAIL:-7}"
+          --tiles "${SWEEP_TILES:-$tiles}" --walk-m "${WALKS:-4,8}" --out "$OUT/qkv_${fam}_$tree$k.json" \
+          2>&1 | tail -"${SWEEP_TAIL:-7}"
+      done
       done ;;
     *) echo "unknown step $what" ;;
   esac
