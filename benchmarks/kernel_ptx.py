@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 
-from mlx_qsa.kernels._launch import header_for, kernel_sections
+from mlx_qsa.kernels._launch import _CUDA_TYPES, constants, header_for, kernel_sections
 
 _PRE = (
     "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n"
@@ -137,10 +137,9 @@ def source(filename, section, inputs, outputs, template, prefix) -> str:
             if n + suffix in body:
                 params.append(f"const __grid_constant__ {kind} {n}{suffix}")
     params += [f"{t}* {n}" for n, t in outputs]
-    consts = "".join(  # a type name (MLX's dtype template argument) becomes an alias
-        f"  using {k} = {v};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
-        for k, v in template
-    )
+    # the launchers' declarations (`_launch.constants`); a type name stands for its dtype
+    types = {v: k for k, v in _CUDA_TYPES.items()}
+    consts = constants(tuple((k, types[v] if isinstance(v, str) else v) for k, v in template))
     return (
         _PRE + header_for(body) + "namespace mlx::core::cu {\n__global__ void kernel("
         + ", ".join(params) + ") {\n" + consts + body + "\n}\n}\n"

@@ -57,3 +57,24 @@ def test_include_refuses_a_path_an_include_line_cannot_hold(monkeypatch) -> None
     monkeypatch.setattr(_launch, "_DIR", Path('/tmp/a"b'))
     with pytest.raises(RuntimeError, match="cannot name this path"):
         include("common.cuh")
+
+
+def test_constants_declare_template_values_as_mlx_would() -> None:
+    import mlx.core as mx
+
+    from mlx_qsa.kernels._launch import constants
+
+    values = (("D", 256), ("ON", True), ("OFF", False), ("T", mx.bfloat16), ("F", mx.float32))
+    got = constants(values)
+    assert got == (
+        "constexpr int D = 256;\n"
+        "constexpr bool ON = true;\n"
+        "constexpr bool OFF = false;\n"
+        "using T = __nv_bfloat16;\n"
+        "using F = float;\n"
+    )
+    assert constants(()) == ""
+    with pytest.raises(ValueError, match=r"template value X=2.5: expected int, bool or a dtype"):
+        constants((("X", 2.5),))
+    with pytest.raises(ValueError, match="template value C="):
+        constants((("C", mx.complex64),))

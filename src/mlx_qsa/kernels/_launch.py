@@ -116,6 +116,34 @@ def included_text(header: str) -> str:
     return "".join(Path(p).read_text() for p in _INCLUDE.findall(header))
 
 
+_CUDA_TYPES = {  # MLX's dtype_to_cuda_type for the dtypes a template names
+    mx.float32: "float",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+}
+
+
+def constants(template: tuple) -> str:
+    """A kernel's template values as the declarations MLX would write at the top of its body
+    (``constexpr int``, ``constexpr bool``, ``using`` for a dtype).
+
+    Passed as ``template=``, MLX converts the list and formats it into the kernel's name and
+    text on every call; a launcher's plan fixes them, so its kernel declares them itself."""
+    lines = []
+    for name, value in template:
+        if isinstance(value, bool):
+            lines.append(f"constexpr bool {name} = {'true' if value else 'false'};\n")
+        elif isinstance(value, int):
+            lines.append(f"constexpr int {name} = {value};\n")
+        elif value in _CUDA_TYPES:
+            lines.append(f"using {name} = {_CUDA_TYPES[value]};\n")
+        else:
+            raise ValueError(f"template value {name}={value!r}: expected int, bool or a dtype")
+    return "".join(lines)
+
+
 def _digest(*parts: str) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -140,16 +168,18 @@ def build(
     shared_memory: int = 0,
     ensure_row_contiguous: bool = False,
     prefix: str = "",
+    template: tuple = (),
 ):
-    """One ``mx.fast.cuda_kernel`` per (source section, key, shared memory); ``section`` may
-    join sections with ``+`` (a kernel made of a preamble and a shared fragment).
+    """One ``mx.fast.cuda_kernel`` per (source section, key, shared memory, template values);
+    ``section`` may join sections with ``+`` (a kernel made of a preamble and a shared
+    fragment).
 
-    ``prefix`` (e.g. ``#define`` lines) goes in front of the body; template values are passed at
-    call time (MLX compiles, and names, one module per distinct set).
+    The body declares the ``template`` values (``constants``), then ``prefix`` (e.g.
+    ``#define`` lines); a call passes no ``template=``.
     """
     shared_memory = device.dynamic_smem_request(shared_memory)
     sections = kernel_sections(filename)
-    source = prefix + "".join(sections[part] for part in section.split("+"))
+    source = constants(template) + prefix + "".join(sections[part] for part in section.split("+"))
     header = header_for(source)
     base = section.replace("+", "_")
     digest = _digest(header, included_text(header), source)
@@ -248,7 +278,7 @@ class Plans:
         return run
 
 
-def single_output(kernel, template: list, shape: tuple, dtype, n_cta: int, threads: int) -> Run:
+def single_output(kernel, shape: tuple, dtype, n_cta: int, threads: int) -> Run:
     """The run of a kernel with one output of `shape` and `dtype` over `n_cta` CTAs of
     `threads`: called with the kernel's input arrays."""
     grid, block = (n_cta * threads, 1, 1), (threads, 1, 1)
@@ -256,7 +286,6 @@ def single_output(kernel, template: list, shape: tuple, dtype, n_cta: int, threa
     def run(*arrays: mx.array) -> mx.array:
         return kernel(
             inputs=list(arrays),
-            template=template,
             grid=grid,
             threadgroup=block,
             output_shapes=[shape],
@@ -274,7 +303,7 @@ def signature(arrays: tuple, *options) -> tuple:
 def plan_split_k(
     filename: str,
     inputs: tuple[str, ...],
-    template: list,
+    template: tuple,
     *,
     n_cta: int,
     rows: int,
@@ -302,6 +331,7 @@ def plan_split_k(
             ("fused",),
             shared_memory=shared_memory,
             prefix="#define QSA_FUSED\n",
+            template=template,
         )
         shapes = part_shapes + [out_shape]
         dtypes = f32 + [out_dtype]
@@ -309,7 +339,6 @@ def plan_split_k(
         def run_fused(arrays: list) -> mx.array:
             return fused(
                 inputs=arrays + [counter_slot()],
-                template=template,
                 grid=grid,
                 threadgroup=block,
                 output_shapes=shapes,
@@ -317,15 +346,18 @@ def plan_split_k(
             )[2]
 
         return run_fused
-    partial = build(filename, "partial", inputs, ("part_o", "part_ml"), (), shared_memory)
-    merge = build("split_k_merge.cu", "merge", ("part_o", "part_ml"), ("out",), ())
-    merge_template = [("D", d), ("NSPLIT", nsplit), ("NT", ATTN_THREADS)]
+    partial = build(
+        filename, "partial", inputs, ("part_o", "part_ml"), (), shared_memory, template=template
+    )
+    merge_template = (("D", d), ("NSPLIT", nsplit), ("NT", ATTN_THREADS))
+    merge = build(
+        "split_k_merge.cu", "merge", ("part_o", "part_ml"), ("out",), (), template=merge_template
+    )
     merge_grid = (rows * (d // merge_cols(d)) * ATTN_THREADS, 1, 1)
 
     def run_two(arrays: list) -> mx.array:
         part_o, part_ml = partial(
             inputs=arrays,
-            template=template,
             grid=grid,
             threadgroup=block,
             output_shapes=part_shapes,
@@ -333,7 +365,6 @@ def plan_split_k(
         )
         return merge(
             inputs=[part_o, part_ml],
-            template=merge_template,
             grid=merge_grid,
             threadgroup=block,
             output_shapes=[out_shape],

@@ -139,7 +139,7 @@ def _plan(
     g = n_heads // n_kv
     nsplit = -(-(K + 1) // (_TOK // ratio))
     nt = _launch.ATTN_THREADS
-    template = [
+    template = (
         ("D", d),
         ("G", g),
         ("TOK", _TOK),
@@ -149,7 +149,7 @@ def _plan(
         ("SCALE_BITS", _launch.float_bits(scale)),
         ("NT", nt),
         ("TOFF", 1 if toff else 0),
-    ]
+    )
     return _launch.plan_split_k(
         "flash_decode.cu",
         ("q", "keys", "values", "block_ids", "block_valid", "tlen"),

@@ -85,17 +85,17 @@ def prefill_flash_cuda(
         ("out",),
         (),
         shared_memory=smem_bytes(d, k, ratio),
-    )
-    return kernel(
-        inputs=[q, keys, values, ids, valid, positions],
-        template=[
+        template=(
             ("D", d),
             ("G", n_heads // n_kv),
             ("HKV", n_kv),
             ("K", k),
             ("RATIO", ratio),
             ("SCALE_BITS", _launch.float_bits(scale)),
-        ],
+        ),
+    )
+    return kernel(
+        inputs=[q, keys, values, ids, valid, positions],
         grid=(rows * n_kv * _NT, 1, 1),
         threadgroup=(_NT, 1, 1),
         output_shapes=[(1, n_heads, rows, d)],

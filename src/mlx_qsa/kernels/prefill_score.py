@@ -68,11 +68,11 @@ def prefill_scores_cuda(index_q: mx.array, pooled: mx.array, pos: mx.array, *, r
         (),
         shared_memory=smem,
         ensure_row_contiguous=True,
+        template=(("RATIO", ratio), ("L", _L), ("GB", _GB)),
     )
     return tuple(
         kernel(
             inputs=[index_q, pooled, pos],
-            template=[("RATIO", ratio), ("L", _L), ("GB", _GB)],
             grid=(n_cta * 128, 1, 1),
             threadgroup=(128, 1, 1),
             output_shapes=[(C, npad), (C, npad // 32 * _L), (C,)],

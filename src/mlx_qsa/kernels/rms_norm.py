@@ -122,10 +122,10 @@ def _check_tables(fn: str, n: int, cos: mx.array, sin: mx.array, rotary_dim: int
         _launch.check_dtype(fn, name, t, (mx.float32,))
 
 
-def _runner(kernel, template: list, shape: tuple, dtype, rows: int) -> _launch.Run:
+def _runner(kernel, shape: tuple, dtype, rows: int) -> _launch.Run:
     """A planned launch: one warp per row (of `rows`), grid-stride past _MAX_CTAS CTAs."""
     n_cta = max(1, min(_MAX_CTAS, -(-rows // (_NT // 32))))
-    return _launch.single_output(kernel, template, shape, dtype, n_cta, _NT)
+    return _launch.single_output(kernel, shape, dtype, n_cta, _NT)
 
 
 def _plan_rows(
@@ -151,8 +151,8 @@ def _plan_rows(
         _check_tables(fn, x.shape[-2], cos, sin, rotary_dim, width)
         inputs, section = ("x", "weight", "cos_t", "sin_t"), "norm_core+rope_core+rows_in+norm_rope"
         template.append(("RD", rotary_dim))
-    kernel = _launch.build("rms_norm.cu", section, inputs, ("out",), ())
-    return _runner(kernel, template, x.shape, x.dtype, math.prod(x.shape[:-1]))
+    kernel = _launch.build("rms_norm.cu", section, inputs, ("out",), (), template=tuple(template))
+    return _runner(kernel, x.shape, x.dtype, math.prod(x.shape[:-1]))
 
 
 def _plan_pool(
@@ -178,18 +178,19 @@ def _plan_pool(
     _check(fn, width, weight, eps)
     n = cos.shape[0]
     _check_tables(fn, n, cos, sin, rotary_dim, width)
-    template = [
+    template = (
         ("T", raw.dtype),
         ("D", width),
         ("EPS_BITS", eps_bits(eps)),
         ("RD", rotary_dim),
         ("R", ratio),
-    ]
+    )
     kernel = _launch.build(
         "rms_norm.cu",
         "norm_core+rope_core+pool_norm_rope",
         ("raw", "start", "weight", "cos_t", "sin_t"),
         ("out",),
         (),
+        template=template,
     )
-    return _runner(kernel, template, (1, n, width), raw.dtype, n)
+    return _runner(kernel, (1, n, width), raw.dtype, n)

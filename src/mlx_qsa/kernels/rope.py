@@ -65,9 +65,14 @@ def _plan(fn: str, x: mx.array, cos: mx.array, sin: mx.array, rotary_dim: int) -
         if t.shape != table:
             raise ValueError(f"{fn}: {name} must be {list(table)}, got {list(t.shape)}")
         _launch.check_dtype(fn, name, t, (mx.float32,))
-    kernel = _launch.build("rope.cu", "rope", ("x", "cos_t", "sin_t"), ("out",), ())
     shape, dtype = x.shape, x.dtype
-    n_cta = max(1, min(_MAX_CTAS, -(-math.prod(shape) // _NT)))
-    return _launch.single_output(
-        kernel, [("T", dtype), ("RD", rotary_dim)], shape, dtype, n_cta, _NT
+    kernel = _launch.build(
+        "rope.cu",
+        "rope",
+        ("x", "cos_t", "sin_t"),
+        ("out",),
+        (),
+        template=(("T", dtype), ("RD", rotary_dim)),
     )
+    n_cta = max(1, min(_MAX_CTAS, -(-math.prod(shape) // _NT)))
+    return _launch.single_output(kernel, shape, dtype, n_cta, _NT)

@@ -94,7 +94,7 @@ def _plan(
     nt = _launch.ATTN_THREADS
     if one_launch is None:
         one_launch = _launch.one_launch_default(n_heads * rows, d)
-    template = [
+    template = (
         ("D", d),
         ("G", g),
         ("TOK", tok),
@@ -103,7 +103,7 @@ def _plan(
         ("NSPLIT", nsplit),
         ("SCALE_BITS", _launch.float_bits(scale)),
         ("NT", nt),
-    ]
+    )
     return _launch.plan_split_k(
         "rows_gather.cu",
         ("q", "keys", "values", "slots", "slot_valid"),

@@ -287,8 +287,8 @@ def _plan(
         (),
         shared_memory=SCORE_SMEM_BYTES,
         ensure_row_contiguous=True,
+        template=(("HI", n_heads), ("RATIO", ratio), ("L", _L), ("NT", _NT_SCORE)),
     )
-    template = [("HI", n_heads), ("RATIO", ratio), ("L", _L), ("NT", _NT_SCORE)]
     shapes = [(S, npad), (S, npad // 32 * _L), (_nbs_len(S),)]
     dtypes = [mx.float32, mx.uint32, mx.int32]
     top_k = _plan_top_k(S, block_topk, ratio, npad, mode)
@@ -297,7 +297,6 @@ def _plan(
         q4 = q if layer_layout else q.transpose(1, 0, 2)[None]
         adj, summ, nbs = score(
             inputs=[q4, pooled, pos],
-            template=template,
             grid=(npad, 1, 1),
             threadgroup=(_NT_SCORE, 1, 1),
             output_shapes=shapes,
@@ -335,9 +334,9 @@ def _plan_fused(
         prefix="#define QSA_FUSED\n"
         + ("#define QSA_ROW_TOKENS\n" if rows else "")
         + ("#define QSA_SPLIT_HEADS\n" if split else ""),
+        template=(("HI", n_heads), ("RATIO", ratio), ("L", _L), ("NT", nt))
+        + (("K", K), ("CAP", _CAP)),
     )
-    template = [("HI", n_heads), ("RATIO", ratio), ("L", _L), ("NT", nt)]
-    template += [("K", K), ("CAP", _CAP)]
     shapes = [(S, npad), (S, npad // 32 * _L), (_nbs_len(S),)] + shapes
     dtypes = [mx.float32, mx.uint32, mx.int32] + dtypes
     n_cta = max(-(-npad // keys_per_cta), S)  # every row needs a CTA of its own at the end
@@ -346,7 +345,6 @@ def _plan_fused(
         q4 = q if layer_layout else q.transpose(1, 0, 2)[None]
         out = kernel(
             inputs=[q4, pooled, pos, ctr if ctr is not None else _launch.counter_slot()],
-            template=template,
             grid=(n_cta * nt, 1, 1),
             threadgroup=(nt, 1, 1),
             output_shapes=shapes,
@@ -402,14 +400,13 @@ def _plan_top_k(S: int, K: int, ratio: int, npad: int, mode: str):
         shared_memory=smem,
         ensure_row_contiguous=True,
         prefix="#define QSA_ROW_TOKENS\n" if rows else "",
+        template=(("K", K), ("RATIO", ratio), ("L", _L), ("CAP", _CAP), ("NT", _NT_TOPK)),
     )
-    template = [("K", K), ("RATIO", ratio), ("L", _L), ("CAP", _CAP), ("NT", _NT_TOPK)]
 
     def run(adj, summ, nbs, pos):
         return tuple(
             topk(
                 inputs=[adj, summ, nbs, pos],
-                template=template,
                 grid=(S * _NT_TOPK, 1, 1),
                 threadgroup=(_NT_TOPK, 1, 1),
                 output_shapes=shapes,
