@@ -12,7 +12,8 @@
 # sweeps: steady qkv sweeps, tma_st with graphs on (the default), tma_mc_st with graphs off;
 #         SWEEP_TREES (default "new") names the trees in order, e.g. "old new old new"
 # host:   host cost per call: benchmarks/source_size_ab.py (this tree), then
-#         benchmarks/gemm_host_cost.py for HOST_CONFIGS in the old tree and this one
+#         benchmarks/gemm_host_cost.py for HOST_CONFIGS (HOST_ARGS: its options) in the old
+#         tree and this one
 # gap:    benchmarks/steady_gap.py (this tree): submit against wall time of steady calls
 # dtests: the CUDA decode and prefill tests (this tree)
 set -u
@@ -56,8 +57,8 @@ for what in "$@"; do
       for tree in ${OLD:+old} new; do
         src="$NEW"; [ "$tree" = old ] && src="$OLD"
         echo "-- $tree"
-        PYTHONPATH="$src:$BASE_PATH" timeout 90 python3 benchmarks/gemm_host_cost.py \
-          ${HOST_CONFIGS:-addmm tma_st:192x192x64/8/8}
+        PYTHONPATH="$src:$BASE_PATH" timeout 150 python3 benchmarks/gemm_host_cost.py \
+          ${HOST_CONFIGS:-addmm tma_st:192x192x64/8/8} ${HOST_ARGS:-}
       done 2>&1 | tee "$OUT/host_cost.log" ;;
     gap)
       echo "== gap"
