@@ -10,7 +10,8 @@
 # profile: Nsight Compute's full set of one call of each PROFILE configuration (this tree, graphs
 #         off): details page, its summary lines, and per-instruction stall samples (sass CSV)
 # sweeps: steady qkv sweeps, tma_st with graphs on (the default), tma_mc_st with graphs off;
-#         SWEEP_TREES (default "new") names the trees in order, e.g. "old new old new"
+#         SWEEP_TREES (default "new") names the trees in order, e.g. "old new old new";
+#         SWEEP_ARGS: more sweep options (e.g. "--paired 200")
 # host:   host cost per call: benchmarks/source_size_ab.py (this tree), then
 #         benchmarks/gemm_host_cost.py for HOST_CONFIGS (HOST_ARGS: its options) in the old
 #         tree and this one
@@ -87,7 +88,7 @@ for what in "$@"; do
         PYTHONPATH="$src:$BASE_PATH" MLX_USE_CUDA_GRAPHS=$graphs timeout 200 python3 -m mlx_qsa sweep \
           --op attn.qkv_proj --tokens 4181 --warmup 2 --repeats 5 --steady 20x7 --family "$fam" \
           --tiles "${SWEEP_TILES:-$tiles}" --walk-m "${WALKS:-4,8}" --out "$OUT/qkv_${fam}_$tree$k.json" \
-          2>&1 | tail -"${SWEEP_TAIL:-7}"
+          ${SWEEP_ARGS:-} 2>&1 | tail -"${SWEEP_TAIL:-7}"
       done
       done ;;
     *) echo "unknown step $what" ;;

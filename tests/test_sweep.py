@@ -159,6 +159,59 @@ def test_steady_block(tmp_path):
     assert base["median_ms"] == float(np.median(base["samples_ms"]))
 
 
+def test_paired_block(tmp_path):
+    out = tmp_path / "paired.json"
+    argv = ["sweep", "--shape", "64,32", "--tokens", "3", "--repeats", "1", "--paired", "4"]
+    assert main([*argv, "--out", str(out)]) == 0
+    paired = json.loads(out.read_text())["extra"]["paired"]
+    assert "4 rounds of one call" in paired["method"]
+    (base,) = paired["entries"]  # the CPU runs the baseline only
+    assert base["config"] == "baseline" and base["vs_baseline"] == 1.0
+    assert len(base["samples_ms"]) == 4 and all(s > 0 for s in base["samples_ms"])
+    assert base["median_ms"] == float(np.median(base["samples_ms"]))
+    assert base["q1_ms"] <= base["median_ms"] <= base["q3_ms"]
+
+
+def test_time_paired_interleaves_entries(monkeypatch):
+    import mlx.core as mx
+
+    order = []
+
+    def entry(name):
+        def call():
+            order.append(name)
+            return mx.zeros((1,))
+
+        return call
+
+    got = sweep.time_paired({"a": entry("a"), "b": entry("b")}, 3)
+    assert order == ["a", "b"] + ["a", "b"] * 3  # one warm call each, then round-robin
+    assert [len(v) for v in got.values()] == [3, 3]
+
+
+def test_compare_shows_paired_rows(fixture):
+    doc = json.loads(json.dumps(fixture))
+    entry = {"q1_ms": 0.0, "q3_ms": 0.0, "samples_ms": []}
+    doc["extra"] = {
+        "paired": {
+            "method": "m",
+            "entries": [
+                {"config": "baseline", "median_ms": 2.0, "vs_baseline": 1.0, **entry},
+                {"config": "[1,2,3]/4/0", "median_ms": 1.9, "vs_baseline": 0.95, **entry},
+                {"config": "[1,2,3]/4/8", "median_ms": 2.2, "vs_baseline": 1.1, **entry},
+            ],
+        }
+    }
+    rows = {
+        line[:26].strip(): line[26:].split()
+        for line in sweep.compare_text(fixture, doc).splitlines()
+        if line.startswith("paired")
+    }
+    assert rows["paired best custom"] == ["-", "[1,2,3]/4/0"]
+    assert rows["paired best / baseline"] == ["-", "0.9500"]
+    assert "paired" not in sweep.compare_text(fixture, fixture)
+
+
 def test_compare_shows_steady_rows(fixture):
     doc = json.loads(json.dumps(fixture))
     doc["extra"] = {
@@ -474,6 +527,7 @@ def test_summary_ratios(fixture):
         (["--tokens", "0"], ">= 1"),
         (["--steady", "4x0"], "ROUNDS >= 1"),
         (["--steady", "ax2"], "--steady: expected CALLS"),
+        (["--paired", "-1"], "expected an integer >= 0"),
     ],
     ids=[
         "bad-op",
@@ -485,6 +539,7 @@ def test_summary_ratios(fixture):
         "zero-tokens",
         "steady-zero-rounds",
         "steady-not-int",
+        "paired-negative",
     ],
 )
 def test_cli_errors(argv, message, capsys):

@@ -218,6 +218,14 @@ def summarize(doc: dict) -> dict[str, Any]:
     steady_custom = [e for e in entries if e["config"] != "baseline"]
     out["steady_baseline"] = steady_base
     out["steady_best"] = min(steady_custom, key=lambda e: e["median_ms"], default=None)
+    # extra.paired (sweep --paired): many interleaved one-call samples per entry.
+    entries = doc.get("extra", {}).get("paired", {}).get("entries", [])
+    out["paired_baseline"] = next((e for e in entries if e["config"] == "baseline"), None)
+    out["paired_best"] = min(
+        (e for e in entries if e["config"] != "baseline"),
+        key=lambda e: e["median_ms"],
+        default=None,
+    )
     return out
 
 
@@ -304,6 +312,23 @@ def compare_text(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
                 ms(sb["peer"], "steady_median_ms") if steady_torch(sb) else "-",
             ),
             ("steady best / torch", steady_ratio(sa, True), steady_ratio(sb, True)),
+        ]
+    if sa["paired_baseline"] or sb["paired_baseline"]:
+
+        def paired_ratio(s: dict) -> str:
+            if s["paired_best"] is None or s["paired_baseline"] is None:
+                return "-"
+            return f"{s['paired_best']['median_ms'] / s['paired_baseline']['median_ms']:.4f}"
+
+        rows += [
+            ("paired baseline ms", ms(sa["paired_baseline"]), ms(sb["paired_baseline"])),
+            (
+                "paired best custom",
+                sa["paired_best"]["config"] if sa["paired_best"] else "-",
+                sb["paired_best"]["config"] if sb["paired_best"] else "-",
+            ),
+            ("paired best ms", ms(sa["paired_best"]), ms(sb["paired_best"])),
+            ("paired best / baseline", paired_ratio(sa), paired_ratio(sb)),
         ]
     w0 = max(len(r[0]) for r in rows) + 2
     w1 = max(len(r[1]) for r in rows) + 2
@@ -428,6 +453,26 @@ def time_steady(calls: dict[str, Any], per_round: int, rounds: int) -> dict[str,
     return out
 
 
+def time_paired(calls: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """One-call samples (call + eval + sync, as `time_calls`) of every entry, round-robin for
+    `rounds` rounds: each entry's samples are taken side by side with the others', so a drift
+    of the host or the clock over the run reaches them all alike. Many rounds give the per-call
+    median that the schema's few samples only estimate."""
+    import mlx.core as mx
+
+    out: dict[str, list[float]] = {name: [] for name in calls}
+    for fn in calls.values():  # warm
+        mx.eval(fn())
+    mx.synchronize()
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            mx.eval(fn())
+            mx.synchronize()
+            out[name].append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
 def _to_numpy(a):
     import mlx.core as mx
     import numpy as np
@@ -526,12 +571,14 @@ def run_sweep(
     seed: int = 0,
     extra: bool = True,
     steady: tuple[int, int] = (0, 0),
+    paired: int = 0,
     log=None,
 ) -> dict:
     """Run the baseline and (on CUDA) every custom configuration; return the document.
 
     `steady = (calls, rounds)` with calls > 0 adds `extra.steady`: each entry's per-call
-    throughput (`time_steady`) beside the schema's one-call samples.
+    throughput (`time_steady`) beside the schema's one-call samples. `paired` > 0 adds
+    `extra.paired`: that many one-call samples of every entry, round-robin (`time_paired`).
     """
     import mlx.core as mx
 
@@ -642,6 +689,30 @@ def run_sweep(
             )
             print(f"steady {name:<20} {med:.4f} ms ({med / base:.4f}x baseline)", file=log)
 
+    paired_doc = None
+    if extra and paired > 0:
+        measured = time_paired(steady_calls, paired)
+        base = statistics.median(measured["baseline"])
+        paired_doc = {
+            "method": f"{paired} rounds of one call + eval + synchronize per entry, entries "
+            "round-robin",
+            "entries": [],
+        }
+        for name, samples in measured.items():
+            med = statistics.median(samples)
+            q1, _, q3 = statistics.quantiles(samples, n=4) if len(samples) > 1 else (med,) * 3
+            paired_doc["entries"].append(
+                {
+                    "config": name,
+                    "median_ms": med,
+                    "q1_ms": q1,
+                    "q3_ms": q3,
+                    "vs_baseline": med / base,
+                    "samples_ms": samples,
+                }
+            )
+            print(f"paired {name:<20} {med:.4f} ms ({med / base:.4f}x baseline)", file=log)
+
     peer = None
     if extra:
         peer = torch_peer(x, w, b, warmup, repeats, reference, operator, tokens, steady)
@@ -664,6 +735,8 @@ def run_sweep(
         extras["plans"] = plans
     if steady_doc is not None:
         extras["steady"] = steady_doc
+    if paired_doc is not None:
+        extras["paired"] = paired_doc
     if left_out:
         extras["left_out"] = left_out
     if extra and extras:
@@ -798,6 +871,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "into extra.steady (default 0: off)",
     )
     parser.add_argument(
+        "--paired",
+        type=_arg(_non_negative),
+        default=0,
+        metavar="ROUNDS",
+        help="also take ROUNDS one-call samples of every entry, round-robin, into extra.paired "
+        "(default 0: off)",
+    )
+    parser.add_argument(
         "--compare",
         nargs=2,
         metavar=("A.json", "B.json"),
@@ -837,6 +918,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         extra=not args.no_extra,
         steady=args.steady if isinstance(args.steady, tuple) else parse_steady(args.steady),
+        paired=args.paired,
     )
     text = serialize(doc)
     if args.out:
