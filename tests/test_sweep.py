@@ -671,5 +671,10 @@ def test_gemm_bias_plans_once_per_signature(monkeypatch):
         with pytest.raises(ValueError, match=r"gemm_bias\(b\): expected \[N=512\]"):
             gemm.gemm_bias(x, w, b[:256], **opts)
         assert len(planned) == 4 and len(launches) == 3
+        # a cp.async family: one block per tile, no tensor maps, no scratch
+        gemm.gemm_bias(x, w, b, tile=(128, 128, 64), warps=4, family="mma")
+        last = launches[-1]
+        assert len(last["inputs"]) == 3 and last["output_shapes"] == [(100, 512)]
+        assert last["grid"] == (4 * 128, 1, 1) and last["threadgroup"] == (128, 1, 1)
     finally:
         gemm._runs.cache_clear()

@@ -485,6 +485,44 @@ __device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bflo
     qsa_load_tile<TM, TK, THREADS>(base, x, M, K, m0, kt * TK, tid);
     qsa_load_tile<TN, TK, THREADS>(base + STAGE_A, w, N, K, n0, kt * TK, tid);
   };
+  // The ring's k-loop: PD k-slices loaded ahead of the one computed (PD 0: load, wait and
+  // compute one at a time); step(a_base, b_base) computes a k-slice from its stage. wgmma reads
+  // the stages through the async proxy, so that path fences them before the barrier.
+  auto k_loop = [&](auto&& step) {
+#pragma unroll
+    for (int s = 0; s < PD; ++s) {
+      if (s < KT) {
+        load_stage(s, s);
+      }
+      qsa_cp_async_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+      if constexpr (PD == 0) {
+        __syncthreads();
+        load_stage(kt, 0);
+        qsa_cp_async_commit();
+        qsa_cp_async_wait<0>();
+      } else {
+        qsa_cp_async_wait<(PD > 0 ? PD - 1 : 0)>();
+      }
+      if constexpr (WGMMA) {
+        qsa_fence_proxy_async();
+      }
+      __syncthreads();
+      if constexpr (PD > 0) {
+        // The slot refilled here was last read at k-slice kt - 1 - INFLIGHT (the wgmma groups
+        // left in flight), which every warp finished before the barrier.
+        const int nk = kt + PD;
+        if (nk < KT) {
+          load_stage(nk, nk % STAGES);
+        }
+        qsa_cp_async_commit();
+      }
+      const int slot = (PD == 0) ? 0 : kt % STAGES;
+      const unsigned a_base = smem0 + static_cast<unsigned>(slot * STAGE_BYTES);
+      step(a_base, a_base + STAGE_A);
+    }
+  };
 
   if constexpr (WGMMA) {
     // Warpgroup g owns rows [wg_m·WG_TM, +WG_TM) and columns [wg_n·WG_TN, +WG_TN).
@@ -504,39 +542,10 @@ __device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bflo
       }
     }
 
-#pragma unroll
-    for (int s = 0; s < PD; ++s) {
-      if (s < KT) {
-        load_stage(s, s);
-      }
-      qsa_cp_async_commit();
-    }
-    for (int kt = 0; kt < KT; ++kt) {
-      if constexpr (PD == 0) {
-        __syncthreads();
-        load_stage(kt, 0);
-        qsa_cp_async_commit();
-        qsa_cp_async_wait<0>();
-      } else {
-        qsa_cp_async_wait<(PD > 0 ? PD - 1 : 0)>();
-      }
-      qsa_fence_proxy_async();
-      __syncthreads();
-      if constexpr (PD > 0) {
-        // The slot refilled here was last read by the wgmma group of k-slice
-        // kt - 1 - INFLIGHT, which every warp has waited for before the barrier.
-        const int nk = kt + PD;
-        if (nk < KT) {
-          load_stage(nk, nk % STAGES);
-        }
-        qsa_cp_async_commit();
-      }
-      const int slot = (PD == 0) ? 0 : kt % STAGES;
-      const unsigned a_base = smem0 + static_cast<unsigned>(slot * STAGE_BYTES);
-      const unsigned b_base = a_base + STAGE_A;
+    k_loop([&](unsigned a_base, unsigned b_base) {
       qsa_wgmma_kslice<TM, TN, TK, MI, WG_TN>(acc, a_base, b_base, wg_m * WG_TM, wg_n * WG_TN);
       qsa_wgmma_wait<INFLIGHT>();
-    }
+    });
     qsa_wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
@@ -571,33 +580,7 @@ __device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bflo
       }
     }
 
-#pragma unroll
-    for (int s = 0; s < PD; ++s) {
-      if (s < KT) {
-        load_stage(s, s);
-      }
-      qsa_cp_async_commit();
-    }
-    for (int kt = 0; kt < KT; ++kt) {
-      if constexpr (PD == 0) {
-        __syncthreads();
-        load_stage(kt, 0);
-        qsa_cp_async_commit();
-        qsa_cp_async_wait<0>();
-      } else {
-        qsa_cp_async_wait<(PD > 0 ? PD - 1 : 0)>();
-      }
-      __syncthreads();
-      if constexpr (PD > 0) {
-        const int nk = kt + PD;
-        if (nk < KT) {
-          load_stage(nk, nk % STAGES);
-        }
-        qsa_cp_async_commit();
-      }
-      const int slot = (PD == 0) ? 0 : kt % STAGES;
-      const unsigned a_base = smem0 + static_cast<unsigned>(slot * STAGE_BYTES);
-      const unsigned b_base = a_base + STAGE_A;
+    k_loop([&](unsigned a_base, unsigned b_base) {
 #pragma unroll
       for (int ks = 0; ks < TK / 16; ++ks) {
         const int atom = ks >> 2;
@@ -629,7 +612,7 @@ __device__ __forceinline__ void qsa_gemm(const __nv_bfloat16* x, const __nv_bflo
           }
         }
       }
-    }
+    });
 
     // m16n8 accumulator layout: c0, c1 at row lane/4, columns 2(lane%4) (+1); c2, c3 at row +8.
     // Bias first (see qsa_load_bias), then the stores.

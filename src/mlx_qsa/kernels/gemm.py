@@ -593,32 +593,21 @@ def _plan_run(x, w, b, tile, warps, walk_m, stages, family, init_value):
     if plan.tma:
         blocks = plan.blocks(m, n, device.sm_count())
         tm, tn, _ = plan.tile
-        tmaps = _tensor_maps(m, n, x.shape[1], tm, tn // plan.cluster, plan.tma_store)
+        extra = [_tensor_maps(m, n, x.shape[1], tm, tn // plan.cluster, plan.tma_store)]
         # Each block publishes its tensor maps into its slot of `scratch`, 128 bytes a map
         # (+128 bytes so the kernel can align the slots).
         shapes = [(m, n), (TMA_MAP_BYTES * plan.maps * blocks + 128,)]
         dtypes = [mx.bfloat16, mx.uint8]
-        grid = (blocks * threads, 1, 1)
-
-        def run_tma(x, w, b):
-            return kernel(
-                inputs=[x, w, b, tmaps],
-                output_shapes=shapes,
-                output_dtypes=dtypes,
-                grid=grid,
-                threadgroup=block,
-                init_value=init_value,
-            )[0]
-
-        return run_tma
-    total = plan.blocks(m, n) * threads
-    if total > 2**31 - 1:
-        raise ValueError(f"gemm_bias: {plan.blocks(m, n)} blocks exceed the launch limit")
-    shapes, dtypes, grid = [(m, n)], [mx.bfloat16], (total, 1, 1)
+    else:
+        blocks = plan.blocks(m, n)
+        if blocks * threads > 2**31 - 1:
+            raise ValueError(f"gemm_bias: {blocks} blocks exceed the launch limit")
+        extra, shapes, dtypes = [], [(m, n)], [mx.bfloat16]
+    grid = (blocks * threads, 1, 1)
 
     def run(x, w, b):
         return kernel(
-            inputs=[x, w, b],
+            inputs=[x, w, b, *extra],
             output_shapes=shapes,
             output_dtypes=dtypes,
             grid=grid,
