@@ -78,3 +78,11 @@ def test_constants_declare_template_values_as_mlx_would() -> None:
         constants((("X", 2.5),))
     with pytest.raises(ValueError, match="template value C="):
         constants((("C", mx.complex64),))
+
+
+def test_include_refuses_a_file_that_is_not_there(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(_launch, "_DIR", tmp_path)
+    with pytest.raises(RuntimeError, match="not a file"):
+        include("common.cuh")
+    (tmp_path / "common.cuh").write_text("// here\n")
+    assert include("common.cuh") == f'#include "{tmp_path / "common.cuh"}"\n'

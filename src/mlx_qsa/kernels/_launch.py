@@ -99,6 +99,8 @@ def include(filename: str) -> str:
     path = str(_DIR / filename)
     if any(c in path for c in '"\\\n'):
         raise RuntimeError(f"{path}: an #include line cannot name this path")
+    if not (_DIR / filename).is_file():  # NVRTC reads it at compile time, from the file system
+        raise RuntimeError(f"{path}: not a file (mlx_qsa must be installed as files, not zipped)")
     return f'#include "{path}"\n'
 
 
