@@ -172,7 +172,7 @@ def test_paired_block(tmp_path):
     assert base["q1_ms"] <= base["median_ms"] <= base["q3_ms"]
 
 
-def test_time_paired_interleaves_entries(monkeypatch):
+def test_time_steady_one_call_rounds_interleave_entries(monkeypatch):
     import mlx.core as mx
 
     order = []
@@ -184,7 +184,7 @@ def test_time_paired_interleaves_entries(monkeypatch):
 
         return call
 
-    got = sweep.time_paired({"a": entry("a"), "b": entry("b")}, 3)
+    got = sweep.time_steady({"a": entry("a"), "b": entry("b")}, 1, 3)  # sweep --paired
     assert order == ["a", "b"] + ["a", "b"] * 3  # one warm call each, then round-robin
     assert [len(v) for v in got.values()] == [3, 3]
 

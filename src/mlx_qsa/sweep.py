@@ -212,20 +212,16 @@ def summarize(doc: dict) -> dict[str, Any]:
     peers = doc.get("extra", {}).get("peers", [])
     if peers:
         out["peer"] = peers[0]
-    # extra.steady (sweep --steady): per-call throughput of the baseline and the fastest entry.
-    entries = doc.get("extra", {}).get("steady", {}).get("entries", [])
-    steady_base = next((e for e in entries if e["config"] == "baseline"), None)
-    steady_custom = [e for e in entries if e["config"] != "baseline"]
-    out["steady_baseline"] = steady_base
-    out["steady_best"] = min(steady_custom, key=lambda e: e["median_ms"], default=None)
-    # extra.paired (sweep --paired): many interleaved one-call samples per entry.
-    entries = doc.get("extra", {}).get("paired", {}).get("entries", [])
-    out["paired_baseline"] = next((e for e in entries if e["config"] == "baseline"), None)
-    out["paired_best"] = min(
-        (e for e in entries if e["config"] != "baseline"),
-        key=lambda e: e["median_ms"],
-        default=None,
-    )
+    # extra.steady (sweep --steady: per-call throughput) and extra.paired (sweep --paired: many
+    # interleaved one-call samples): the baseline and the fastest entry of each.
+    for kind in ("steady", "paired"):
+        entries = doc.get("extra", {}).get(kind, {}).get("entries", [])
+        out[f"{kind}_baseline"] = next((e for e in entries if e["config"] == "baseline"), None)
+        out[f"{kind}_best"] = min(
+            (e for e in entries if e["config"] != "baseline"),
+            key=lambda e: e["median_ms"],
+            default=None,
+        )
     return out
 
 
@@ -249,12 +245,25 @@ def compare_text(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
     def steady_torch(s: dict) -> bool:
         return s["peer"] is not None and "steady_median_ms" in s["peer"]
 
-    def steady_ratio(s: dict, torch: bool = False) -> str:
-        best = s["steady_best"]
-        if best is None or s["steady_baseline"] is None or (torch and not steady_torch(s)):
+    def best_ratio(s: dict, kind: str, torch: bool = False) -> str:
+        best = s[f"{kind}_best"]
+        if best is None or s[f"{kind}_baseline"] is None or (torch and not steady_torch(s)):
             return "-"
-        ref = s["peer"]["steady_median_ms"] if torch else s["steady_baseline"]["median_ms"]
+        ref = s["peer"]["steady_median_ms"] if torch else s[f"{kind}_baseline"]["median_ms"]
         return f"{best['median_ms'] / ref:.4f}"
+
+    def block_rows(kind: str) -> list[tuple[str, str, str]]:
+        """The baseline, the fastest entry and their ratio in extra.steady or extra.paired."""
+        return [
+            (f"{kind} baseline ms", ms(sa[f"{kind}_baseline"]), ms(sb[f"{kind}_baseline"])),
+            (
+                f"{kind} best custom",
+                sa[f"{kind}_best"]["config"] if sa[f"{kind}_best"] else "-",
+                sb[f"{kind}_best"]["config"] if sb[f"{kind}_best"] else "-",
+            ),
+            (f"{kind} best ms", ms(sa[f"{kind}_best"]), ms(sb[f"{kind}_best"])),
+            (f"{kind} best / baseline", best_ratio(sa, kind), best_ratio(sb, kind)),
+        ]
 
     rows = [
         ("sweep", f"A: {names[0]}", f"B: {names[1]}"),
@@ -297,39 +306,16 @@ def compare_text(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
         ("best / torch median", peer_ratio(sa), peer_ratio(sb)),
     ]
     if sa["steady_baseline"] or sb["steady_baseline"]:
-        rows += [
-            ("steady baseline ms", ms(sa["steady_baseline"]), ms(sb["steady_baseline"])),
-            (
-                "steady best custom",
-                sa["steady_best"]["config"] if sa["steady_best"] else "-",
-                sb["steady_best"]["config"] if sb["steady_best"] else "-",
-            ),
-            ("steady best ms", ms(sa["steady_best"]), ms(sb["steady_best"])),
-            ("steady best / baseline", steady_ratio(sa), steady_ratio(sb)),
+        rows += block_rows("steady") + [
             (
                 "steady torch ms",
                 ms(sa["peer"], "steady_median_ms") if steady_torch(sa) else "-",
                 ms(sb["peer"], "steady_median_ms") if steady_torch(sb) else "-",
             ),
-            ("steady best / torch", steady_ratio(sa, True), steady_ratio(sb, True)),
+            ("steady best / torch", best_ratio(sa, "steady", True), best_ratio(sb, "steady", True)),
         ]
     if sa["paired_baseline"] or sb["paired_baseline"]:
-
-        def paired_ratio(s: dict) -> str:
-            if s["paired_best"] is None or s["paired_baseline"] is None:
-                return "-"
-            return f"{s['paired_best']['median_ms'] / s['paired_baseline']['median_ms']:.4f}"
-
-        rows += [
-            ("paired baseline ms", ms(sa["paired_baseline"]), ms(sb["paired_baseline"])),
-            (
-                "paired best custom",
-                sa["paired_best"]["config"] if sa["paired_best"] else "-",
-                sb["paired_best"]["config"] if sb["paired_best"] else "-",
-            ),
-            ("paired best ms", ms(sa["paired_best"]), ms(sb["paired_best"])),
-            ("paired best / baseline", paired_ratio(sa), paired_ratio(sb)),
-        ]
+        rows += block_rows("paired")
     w0 = max(len(r[0]) for r in rows) + 2
     w1 = max(len(r[1]) for r in rows) + 2
     lines = [f"{r[0]:<{w0}}{r[1]:<{w1}}{r[2]}" for r in rows]
@@ -436,7 +422,8 @@ def time_steady(calls: dict[str, Any], per_round: int, rounds: int) -> dict[str,
 
     Host overhead overlaps the GPU's work once calls queue up, so this measures the kernels
     rather than one call's launch and synchronisation; the entries run round-robin, so a clock
-    or thermal drift spreads over all of them instead of favouring one.
+    or thermal drift spreads over all of them instead of favouring one. With `per_round` 1 each
+    sample is one call + eval + sync, as the schema's (`time_calls`): `sweep --paired`.
     """
     import mlx.core as mx
 
@@ -450,26 +437,6 @@ def time_steady(calls: dict[str, Any], per_round: int, rounds: int) -> dict[str,
             mx.eval([fn() for _ in range(per_round)])
             mx.synchronize()
             out[name].append((time.perf_counter() - t0) * 1e3 / per_round)
-    return out
-
-
-def time_paired(calls: dict[str, Any], rounds: int) -> dict[str, list[float]]:
-    """One-call samples (call + eval + sync, as `time_calls`) of every entry, round-robin for
-    `rounds` rounds: each entry's samples are taken side by side with the others', so a drift
-    of the host or the clock over the run reaches them all alike. Many rounds give the per-call
-    median that the schema's few samples only estimate."""
-    import mlx.core as mx
-
-    out: dict[str, list[float]] = {name: [] for name in calls}
-    for fn in calls.values():  # warm
-        mx.eval(fn())
-    mx.synchronize()
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            mx.eval(fn())
-            mx.synchronize()
-            out[name].append((time.perf_counter() - t0) * 1e3)
     return out
 
 
@@ -675,43 +642,23 @@ def run_sweep(
     steady_doc = None
     if extra and steady[0] > 0:
         per_round, rounds = steady
-        measured = time_steady(steady_calls, per_round, rounds)
-        base = statistics.median(measured["baseline"])
-        steady_doc = {
-            "method": f"{per_round} back-to-back calls in one mx.eval + synchronize, divided; "
+        steady_doc = _round_robin_doc(
+            "steady",
+            f"{per_round} back-to-back calls in one mx.eval + synchronize, divided; "
             f"{rounds} rounds, entries round-robin",
-            "entries": [],
-        }
-        for name, samples in measured.items():
-            med = statistics.median(samples)
-            steady_doc["entries"].append(
-                {"config": name, "median_ms": med, "vs_baseline": med / base, "samples_ms": samples}
-            )
-            print(f"steady {name:<20} {med:.4f} ms ({med / base:.4f}x baseline)", file=log)
+            time_steady(steady_calls, per_round, rounds),
+            log,
+        )
 
     paired_doc = None
     if extra and paired > 0:
-        measured = time_paired(steady_calls, paired)
-        base = statistics.median(measured["baseline"])
-        paired_doc = {
-            "method": f"{paired} rounds of one call + eval + synchronize per entry, entries "
-            "round-robin",
-            "entries": [],
-        }
-        for name, samples in measured.items():
-            med = statistics.median(samples)
-            q1, _, q3 = statistics.quantiles(samples, n=4) if len(samples) > 1 else (med,) * 3
-            paired_doc["entries"].append(
-                {
-                    "config": name,
-                    "median_ms": med,
-                    "q1_ms": q1,
-                    "q3_ms": q3,
-                    "vs_baseline": med / base,
-                    "samples_ms": samples,
-                }
-            )
-            print(f"paired {name:<20} {med:.4f} ms ({med / base:.4f}x baseline)", file=log)
+        paired_doc = _round_robin_doc(
+            "paired",
+            f"{paired} rounds of one call + eval + synchronize per entry, entries round-robin",
+            time_steady(steady_calls, 1, paired),
+            log,
+            quartiles=True,
+        )
 
     peer = None
     if extra:
@@ -741,6 +688,24 @@ def run_sweep(
         extras["left_out"] = left_out
     if extra and extras:
         doc["extra"] = extras
+    return doc
+
+
+def _round_robin_doc(
+    kind: str, method: str, measured: dict[str, list[float]], log, quartiles: bool = False
+) -> dict:
+    """extra.steady / extra.paired: each entry's median (and, with `quartiles`, q1 and q3),
+    its ratio to the baseline's and its samples; one line per entry to `log`."""
+    base = statistics.median(measured["baseline"])
+    doc: dict[str, Any] = {"method": method, "entries": []}
+    for name, samples in measured.items():
+        med = statistics.median(samples)
+        entry: dict[str, Any] = {"config": name, "median_ms": med}
+        if quartiles:
+            q1, _, q3 = statistics.quantiles(samples, n=4) if len(samples) > 1 else (med,) * 3
+            entry |= {"q1_ms": q1, "q3_ms": q3}
+        doc["entries"].append(entry | {"vs_baseline": med / base, "samples_ms": samples})
+        print(f"{kind} {name:<20} {med:.4f} ms ({med / base:.4f}x baseline)", file=log)
     return doc
 
 
