@@ -18,7 +18,6 @@ the consumers start the next tile while the store drains; `tma_mc_st` is both.
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -444,14 +443,14 @@ def kernel_text(plan: GemmPlan) -> tuple[str, str]:
     text on every call), the body declares the plan's constants (`GemmPlan.template`) and runs
     gemm.cu's section for the family. MLX would format a `template=` list into the text on
     every call; one kernel per plan has them fixed."""
-    from mlx_qsa.kernels._launch import include, kernel_sections
+    from mlx_qsa.kernels._launch import constants, include, kernel_sections
 
     n = wgmma_n(plan)
     # the mma.sync family issues no wgmma: its macro names no wrapper
     header = (
         f"#define QSA_WGMMA qsa_wgmma_n{n}\n" if n else "#define QSA_WGMMA(d, da, db)\n"
     ) + include(HEADER)
-    consts = "".join(f"constexpr int {name} = {value};\n" for name, value in plan.template())
+    consts = constants(tuple(plan.template()))
     bodies = kernel_sections(BODIES)
     if plan.tma:
         header += launch_bounds_header(plan.threads, plan.cluster)
@@ -475,11 +474,10 @@ def wgmma_n(plan: GemmPlan) -> int | None:
 def _kernel(plan: GemmPlan):
     import mlx.core as mx
 
-    from mlx_qsa.kernels._launch import included_text
+    from mlx_qsa.kernels._launch import _digest, included_text
 
     header, source = kernel_text(plan)
-    text = header + included_text(header) + source
-    digest = hashlib.sha1(text.encode()).hexdigest()[:10]
+    digest = _digest(header, included_text(header), source)
     # MLX caches compiled modules by name (in memory and in MLX_PTX_CACHE_DIR), so the name
     # carries the whole key and the digest of the text it compiles.
     return mx.fast.cuda_kernel(
