@@ -20,7 +20,7 @@ import time
 import mlx.core as mx
 from gemm_profile import call
 
-from mlx_qsa.sweep import OPERATORS, make_inputs
+from mlx_qsa.sweep import OPERATORS, make_inputs, time_steady
 
 
 def median_us(fn, n: int) -> float:
@@ -79,13 +79,7 @@ def main() -> None:
                 f"submit {statistics.median(s_us):6.1f} us  one call {one_ms:.4f} ms"
             )
         if args.one_calls:
-            samples: dict[str, list[float]] = {c: [] for c in fns}
-            for _ in range(args.one_calls):
-                for config, fn in fns.items():
-                    t0 = time.perf_counter()
-                    mx.eval(fn())
-                    mx.synchronize()
-                    samples[config].append((time.perf_counter() - t0) * 1e3)
+            samples = time_steady(fns, 1, args.one_calls)  # one call a round: sweep --paired
             first = statistics.median(samples[args.configs[0]])
             for config, s in samples.items():
                 med = statistics.median(s)

@@ -552,6 +552,7 @@ def gemm_bias(
     later calls with the same shapes and options only launch.
     """
     opts = (tuple(tile), warps, walk_m, stages, family, init_value)
+    # `_launch.signature`'s fields, written out: no generator on a call's host path
     sig = (x.shape, x.dtype, w.shape, w.dtype, b.shape, b.dtype) + opts
     return _runs().get(sig, lambda: _plan_run(x, w, b, *opts))(x, w, b)
 
