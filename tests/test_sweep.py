@@ -189,6 +189,26 @@ def test_time_steady_one_call_rounds_interleave_entries(monkeypatch):
     assert [len(v) for v in got.values()] == [3, 3]
 
 
+def test_time_steady_async_evaluates_each_call_then_synchronizes_once(monkeypatch):
+    import mlx.core as mx
+
+    log = []
+    monkeypatch.setattr(mx, "async_eval", lambda *a: log.append("async_eval"))
+    monkeypatch.setattr(mx, "eval", lambda *a: log.append("eval"))
+    monkeypatch.setattr(mx, "synchronize", lambda *a: log.append("sync"))
+
+    def call():
+        log.append("call")
+        return mx.zeros((1,))
+
+    got = sweep.time_steady({"a": call}, 3, 2)  # PERFORMANCE.md §7: each call async_eval'd
+    assert log == (["call", "async_eval"] * 3 + ["sync"]) * 3  # warm round + 2 timed
+    assert len(got["a"]) == 2 and all(v >= 0 for v in got["a"])
+    log.clear()
+    sweep.time_steady({"a": call}, 1, 2)  # --paired: the schema's one call + eval + sync
+    assert log == ["call", "eval", "sync"] * 3
+
+
 def test_compare_shows_paired_rows(fixture):
     doc = json.loads(json.dumps(fixture))
     entry = {"q1_ms": 0.0, "q3_ms": 0.0, "samples_ms": []}

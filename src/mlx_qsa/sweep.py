@@ -418,24 +418,32 @@ def time_calls(fn, warmup: int, repeats: int):
 
 
 def time_steady(calls: dict[str, Any], per_round: int, rounds: int) -> dict[str, list[float]]:
-    """Per-call device throughput: `per_round` back-to-back calls evaluated together, divided.
+    """Per-call device throughput: `per_round` back-to-back calls, then one synchronize, divided.
 
-    Host overhead overlaps the GPU's work once calls queue up, so this measures the kernels
-    rather than one call's launch and synchronisation; the entries run round-robin, so a clock
-    or thermal drift spreads over all of them instead of favouring one. With `per_round` 1 each
-    sample is one call + eval + sync, as the schema's (`time_calls`): `sweep --paired`.
+    PERFORMANCE.md §7's method: each call ends in `mx.async_eval` of its output, so the GPU
+    starts on the first call while the host builds the next (as torch's launches do), and the
+    host's work per call overlaps the kernels instead of adding to them; the entries run
+    round-robin, so a clock or thermal drift spreads over all of them instead of favouring one.
+    With `per_round` 1 each sample is one call + `mx.eval` + synchronize, as the schema's
+    (`time_calls`): `sweep --paired`.
     """
     import mlx.core as mx
 
+    def one_round(fn) -> None:
+        if per_round == 1:
+            mx.eval(fn())
+        else:
+            for _ in range(per_round):
+                mx.async_eval(fn())
+        mx.synchronize()
+
     out: dict[str, list[float]] = {name: [] for name in calls}
     for fn in calls.values():  # warm: one round each, untimed
-        mx.eval([fn() for _ in range(per_round)])
-    mx.synchronize()
+        one_round(fn)
     for _ in range(rounds):
         for name, fn in calls.items():
             t0 = time.perf_counter()
-            mx.eval([fn() for _ in range(per_round)])
-            mx.synchronize()
+            one_round(fn)
             out[name].append((time.perf_counter() - t0) * 1e3 / per_round)
     return out
 
@@ -644,7 +652,8 @@ def run_sweep(
         per_round, rounds = steady
         steady_doc = _round_robin_doc(
             "steady",
-            f"{per_round} back-to-back calls in one mx.eval + synchronize, divided; "
+            f"{per_round} back-to-back calls, each ended by mx.async_eval, then one synchronize, "
+            f"divided; "
             f"{rounds} rounds, entries round-robin",
             time_steady(steady_calls, per_round, rounds),
             log,
