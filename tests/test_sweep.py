@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -253,6 +255,98 @@ def test_compare_shows_steady_rows(fixture):
     assert rows["steady best / baseline"] == ["-", "1.2500"]
     assert rows["steady best / torch"] == ["-", "-"]  # no torch peer in either document
     assert "steady" not in sweep.compare_text(fixture, fixture)
+
+
+def _fake_torch(monkeypatch, log: list) -> None:
+    """A stand-in for torch with CUDA (this machine has neither): enough of it for torch_peer."""
+    import types
+
+    class Tensor:
+        def __init__(self, a):
+            self.a = np.asarray(a, dtype=np.float32)
+
+        def to(self, *_):
+            return self
+
+        def float(self):
+            return self
+
+        def cpu(self):
+            return self
+
+        def numpy(self):
+            return self.a
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            log.append("record")
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end) -> float:
+            return (end.t - self.t) * 1e3
+
+    def linear(x, w, b):
+        log.append("linear")
+        return Tensor(x.a @ w.a.T + b.a)
+
+    torch = types.ModuleType("torch")
+    torch.__version__ = "fake"
+    torch.bfloat16 = "bfloat16"
+    torch.from_numpy = Tensor
+    torch.cuda = types.SimpleNamespace(
+        is_available=lambda: True,
+        synchronize=lambda: log.append("sync"),
+        get_device_name=lambda: "Fake GPU",
+        Event=Event,
+    )
+    nn = types.ModuleType("torch.nn")
+    functional = types.ModuleType("torch.nn.functional")
+    functional.linear = linear
+    torch.nn, nn.functional = nn, functional
+    for name, mod in (("torch", torch), ("torch.nn", nn), ("torch.nn.functional", functional)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_torch_peer_steady_rounds_by_events_and_by_wall_clock(monkeypatch):
+    import mlx.core as mx
+
+    log: list = []
+    _fake_torch(monkeypatch, log)
+    x, w, b = mx.ones((3, 4)), mx.ones((5, 4)), mx.zeros((5,))
+    reference = np.full((3, 5), 4.0, dtype=np.float32)
+    peer = sweep.torch_peer(x, w, b, 1, 2, reference, "op", 3, steady=(4, 3))
+    assert peer["device"] == "Fake GPU" and peer["relative_rmse"] == 0.0
+    assert peer["equal_fraction"] == 1.0
+    # warm-up, 2 one-call samples, 2 one-call event samples, then 3 rounds of 4 calls
+    rounds = log[-3 * 7 :]
+    assert rounds == (["record"] + ["linear"] * 4 + ["record", "sync"]) * 3
+    assert len(peer["steady_samples_ms"]) == len(peer["steady_wall_samples_ms"]) == 3
+    # wall clock spans the events and the synchronize: never shorter
+    for e, wall in zip(peer["steady_samples_ms"], peer["steady_wall_samples_ms"], strict=True):
+        assert 0 <= e <= wall
+    assert peer["steady_wall_median_ms"] == float(np.median(peer["steady_wall_samples_ms"]))
+
+
+def test_compare_shows_torch_wall_clock_steady_row(fixture):
+    doc = json.loads(json.dumps(fixture))
+    entries = [
+        {"config": "baseline", "median_ms": 2.0, "vs_baseline": 1.0, "samples_ms": [2.0]},
+        {"config": "[1,2,3]/4/8", "median_ms": 2.5, "vs_baseline": 1.25, "samples_ms": [2.5]},
+    ]
+    peer = {"median_ms": 1.0, "steady_median_ms": 2.0, "steady_wall_median_ms": 2.25}
+    doc["extra"] = {"steady": {"method": "m", "entries": entries}, "peers": [peer]}
+    rows = {
+        line[:26].strip(): line[26:].split()
+        for line in sweep.compare_text(fixture, doc).splitlines()
+        if line.startswith("steady")
+    }
+    assert rows["steady torch ms"] == ["-", "2.000"]
+    assert rows["steady torch wall ms"] == ["-", "2.250"]
+    assert rows["steady best / torch"] == ["-", "1.2500"]  # time over torch's event time
 
 
 # ---- metrics --------------------------------------------------------------------------------

@@ -313,6 +313,15 @@ def compare_text(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
                 ms(sb["peer"], "steady_median_ms") if steady_torch(sb) else "-",
             ),
             ("steady best / torch", best_ratio(sa, "steady", True), best_ratio(sb, "steady", True)),
+            (
+                "steady torch wall ms",
+                *(
+                    ms(s["peer"], "steady_wall_median_ms")
+                    if steady_torch(s) and "steady_wall_median_ms" in s["peer"]
+                    else "-"
+                    for s in (sa, sb)
+                ),
+            ),
         ]
     if sa["paired_baseline"] or sb["paired_baseline"]:
         rows += block_rows("paired")
@@ -494,21 +503,26 @@ def torch_peer(
         sync()
         samples.append((time.perf_counter() - t0) * 1e3)
 
-    def event_ms(calls: int) -> float:
-        """CUDA-event time of `calls` back-to-back calls, per call."""
+    def event_ms(calls: int) -> tuple[float, float]:
+        """CUDA-event time of `calls` back-to-back calls, per call, and their wall time until
+        the synchronize returns (what the MLX entries' steady figure measures), per call."""
         nonlocal out
         start = torch.cuda.Event(enable_timing=True)
         stop = torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
         for _ in range(calls):
             out = F.linear(tx, tw, tb)
         stop.record()
         torch.cuda.synchronize()
-        return float(start.elapsed_time(stop)) / calls
+        wall = (time.perf_counter() - t0) * 1e3 / calls
+        return float(start.elapsed_time(stop)) / calls, wall
 
     per_round, rounds = steady
-    events = [event_ms(1) for _ in range(repeats)] if dev == "cuda" else []
-    steady_ms = [event_ms(per_round) for _ in range(rounds)] if dev == "cuda" and per_round else []
+    rounds = rounds if per_round else 0
+    events = [event_ms(1)[0] for _ in range(repeats)] if dev == "cuda" else []
+    steady_rounds = [event_ms(per_round) for _ in range(rounds)] if dev == "cuda" else []
+    steady_ms = [e for e, _ in steady_rounds]
     max_abs, rmse, equal = agreement(reference, out.float().cpu().numpy())
     peer: dict[str, Any] = {
         "peer": "torch.nn.functional.linear",
@@ -528,6 +542,11 @@ def torch_peer(
     if steady_ms:
         peer["steady_median_ms"] = statistics.median(steady_ms)
         peer["steady_samples_ms"] = steady_ms
+        # The same rounds by wall clock, as the MLX entries' steady figure is taken: PERFORMANCE
+        # §7 times torch by events, which leave out its launch and synchronize costs.
+        walls = [w for _, w in steady_rounds]
+        peer["steady_wall_median_ms"] = statistics.median(walls)
+        peer["steady_wall_samples_ms"] = walls
     return peer
 
 
@@ -675,7 +694,11 @@ def run_sweep(
         if peer is not None:
             print(f"torch F.linear: median {peer['median_ms']:.4f} ms", file=log)
             if "steady_median_ms" in peer:
-                print(f"steady torch F.linear {peer['steady_median_ms']:.4f} ms", file=log)
+                print(
+                    f"steady torch F.linear {peer['steady_median_ms']:.4f} ms "
+                    f"(wall {peer['steady_wall_median_ms']:.4f} ms)",
+                    file=log,
+                )
 
     doc: dict[str, Any] = {
         "environment": environment(backend),
