@@ -211,6 +211,15 @@ def test_time_steady_async_evaluates_each_call_then_synchronizes_once(monkeypatc
     assert log == ["call", "eval", "sync"] * 3
 
 
+def _compare_rows(a: dict, b: dict, prefix: str) -> dict[str, list[str]]:
+    """`--compare`'s rows that start with `prefix`: label -> the two documents' cells."""
+    return {
+        line[:26].strip(): line[26:].split()
+        for line in sweep.compare_text(a, b).splitlines()
+        if line.startswith(prefix)
+    }
+
+
 def test_compare_shows_paired_rows(fixture):
     doc = json.loads(json.dumps(fixture))
     entry = {"q1_ms": 0.0, "q3_ms": 0.0, "samples_ms": []}
@@ -224,11 +233,7 @@ def test_compare_shows_paired_rows(fixture):
             ],
         }
     }
-    rows = {
-        line[:26].strip(): line[26:].split()
-        for line in sweep.compare_text(fixture, doc).splitlines()
-        if line.startswith("paired")
-    }
+    rows = _compare_rows(fixture, doc, "paired")
     assert rows["paired best custom"] == ["-", "[1,2,3]/4/0"]
     assert rows["paired best / baseline"] == ["-", "0.9500"]
     assert "paired" not in sweep.compare_text(fixture, fixture)
@@ -246,11 +251,7 @@ def test_compare_shows_steady_rows(fixture):
             ],
         }
     }
-    rows = {
-        line[:26].strip(): line[26:].split()
-        for line in sweep.compare_text(fixture, doc).splitlines()
-        if line.startswith("steady")
-    }
+    rows = _compare_rows(fixture, doc, "steady")
     assert rows["steady best custom"] == ["-", "[1,2,3]/4/8"]
     assert rows["steady best / baseline"] == ["-", "1.2500"]
     assert rows["steady best / torch"] == ["-", "-"]  # no torch peer in either document
@@ -339,11 +340,7 @@ def test_compare_shows_torch_wall_clock_steady_row(fixture):
     ]
     peer = {"median_ms": 1.0, "steady_median_ms": 2.0, "steady_wall_median_ms": 2.25}
     doc["extra"] = {"steady": {"method": "m", "entries": entries}, "peers": [peer]}
-    rows = {
-        line[:26].strip(): line[26:].split()
-        for line in sweep.compare_text(fixture, doc).splitlines()
-        if line.startswith("steady")
-    }
+    rows = _compare_rows(fixture, doc, "steady")
     assert rows["steady torch ms"] == ["-", "2.000"]
     assert rows["steady torch wall ms"] == ["-", "2.250"]
     assert rows["steady best / torch"] == ["-", "1.2500"]  # time over torch's event time
