@@ -11,7 +11,8 @@
 #         off): details page, its summary lines, and per-instruction stall samples (sass CSV)
 # sweeps: steady qkv sweeps, tma_st with graphs on (the default), tma_mc_st with graphs off;
 #         SWEEP_TREES (default "new") names the trees in order, e.g. "old new old new";
-#         SWEEP_ARGS: more sweep options (e.g. "--paired 200")
+#         SWEEP_ARGS: more sweep options (e.g. "--paired 200"); SWEEP_FAMILIES (default
+#         "tma_st tma_mc_st"); SWEEP_GRAPHS=0 runs the non-cluster families without graphs too
 # host:   host cost per call: benchmarks/source_size_ab.py (this tree), then
 #         benchmarks/gemm_host_cost.py for HOST_CONFIGS (HOST_ARGS: its options) in the old
 #         tree and this one
@@ -76,8 +77,8 @@ for what in "$@"; do
       for tree in ${SWEEP_TREES:-new}; do
       k=$((k + 1))
       src="$NEW"; [ "$tree" = old ] && src="$OLD"
-      for fam in tma_st tma_mc_st; do
-        graphs=1
+      for fam in ${SWEEP_FAMILIES:-tma_st tma_mc_st}; do
+        graphs=${SWEEP_GRAPHS:-1}
         tiles=192x192x64/8,192x192x64/12
         if [ "$fam" = tma_mc_st ]; then
           [ -n "${SWEEP_ST_ONLY:-}" ] && continue
