@@ -245,6 +245,10 @@ def compare_text(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
     def steady_torch(s: dict) -> bool:
         return s["peer"] is not None and "steady_median_ms" in s["peer"]
 
+    def steady_peer_ms(s: dict, field: str) -> str:
+        """A steady figure of the torch peer, or '-' where the document has none."""
+        return ms(s["peer"], field) if steady_torch(s) and field in s["peer"] else "-"
+
     def best_ratio(s: dict, kind: str, torch: bool = False) -> str:
         best = s[f"{kind}_best"]
         if best is None or s[f"{kind}_baseline"] is None or (torch and not steady_torch(s)):
@@ -309,18 +313,14 @@ def compare_text(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
         rows += block_rows("steady") + [
             (
                 "steady torch ms",
-                ms(sa["peer"], "steady_median_ms") if steady_torch(sa) else "-",
-                ms(sb["peer"], "steady_median_ms") if steady_torch(sb) else "-",
+                steady_peer_ms(sa, "steady_median_ms"),
+                steady_peer_ms(sb, "steady_median_ms"),
             ),
             ("steady best / torch", best_ratio(sa, "steady", True), best_ratio(sb, "steady", True)),
             (
                 "steady torch wall ms",
-                *(
-                    ms(s["peer"], "steady_wall_median_ms")
-                    if steady_torch(s) and "steady_wall_median_ms" in s["peer"]
-                    else "-"
-                    for s in (sa, sb)
-                ),
+                steady_peer_ms(sa, "steady_wall_median_ms"),
+                steady_peer_ms(sb, "steady_wall_median_ms"),
             ),
         ]
     if sa["paired_baseline"] or sb["paired_baseline"]:
@@ -672,8 +672,7 @@ def run_sweep(
         steady_doc = _round_robin_doc(
             "steady",
             f"{per_round} back-to-back calls, each ended by mx.async_eval, then one synchronize, "
-            f"divided; "
-            f"{rounds} rounds, entries round-robin",
+            f"divided; {rounds} rounds, entries round-robin",
             time_steady(steady_calls, per_round, rounds),
             log,
         )
