@@ -161,6 +161,19 @@ def test_steady_block(tmp_path):
     assert base["median_ms"] == float(np.median(base["samples_ms"]))
 
 
+@pytest.mark.parametrize("graphs", [None, "0"])
+def test_steady_block_records_the_cuda_graphs_variable(tmp_path, monkeypatch, graphs):
+    if graphs is None:
+        monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", graphs)
+    out = tmp_path / "steady.json"
+    argv = ["sweep", "--shape", "64,32", "--tokens", "3", "--repeats", "1", "--steady", "2x1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    extra = json.loads(out.read_text())["extra"]
+    assert extra["timing_variables"] == {"MLX_USE_CUDA_GRAPHS": graphs}
+
+
 def test_paired_block(tmp_path):
     out = tmp_path / "paired.json"
     argv = ["sweep", "--shape", "64,32", "--tokens", "3", "--repeats", "1", "--paired", "4"]

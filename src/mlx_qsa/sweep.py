@@ -20,6 +20,9 @@ from __future__ import annotations
 import os
 
 PRECISION_VARIABLES = ("MLX_ENABLE_TF32", "MLX_CONV_WINOGRAD")
+# Variables that change timings but not results: recorded in "extra" beside the timings they
+# shaped (PERFORMANCE.md §7.6); null where unset (MLX's default applies).
+TIMING_VARIABLES = ("MLX_USE_CUDA_GRAPHS",)
 for _name in PRECISION_VARIABLES:
     os.environ.setdefault(_name, "0")
 
@@ -715,6 +718,8 @@ def run_sweep(
         extras["steady"] = steady_doc
     if paired_doc is not None:
         extras["paired"] = paired_doc
+    if steady_doc is not None or paired_doc is not None:
+        extras["timing_variables"] = {v: os.environ.get(v) for v in TIMING_VARIABLES}
     if left_out:
         extras["left_out"] = left_out
     if extra and extras:
