@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
@@ -332,17 +333,73 @@ def test_torch_peer_steady_rounds_by_events_and_by_wall_clock(monkeypatch):
     _fake_torch(monkeypatch, log)
     x, w, b = mx.ones((3, 4)), mx.ones((5, 4)), mx.zeros((5,))
     reference = np.full((3, 5), 4.0, dtype=np.float32)
-    peer = sweep.torch_peer(x, w, b, 1, 2, reference, "op", 3, steady=(4, 3))
+    peer, steady_round = sweep.torch_peer(x, w, b, 1, 2, reference, "op", 3)
     assert peer["device"] == "Fake GPU" and peer["relative_rmse"] == 0.0
-    assert peer["equal_fraction"] == 1.0
-    # warm-up, 2 one-call samples, 2 one-call event samples, then 3 rounds of 4 calls
-    rounds = log[-3 * 7 :]
-    assert rounds == (["record"] + ["linear"] * 4 + ["record", "sync"]) * 3
+    assert peer["equal_fraction"] == 1.0 and len(peer["event_samples_ms"]) == 2
+    log.clear()
+    rounds = [steady_round(4) for _ in range(3)]
+    assert log == (["record"] + ["linear"] * 4 + ["record", "sync"]) * 3
+    sweep.add_steady_fields(peer, "steady", rounds)
     assert len(peer["steady_samples_ms"]) == len(peer["steady_wall_samples_ms"]) == 3
     # wall clock spans the events and the synchronize: never shorter
     for e, wall in zip(peer["steady_samples_ms"], peer["steady_wall_samples_ms"], strict=True):
         assert 0 <= e <= wall
+    assert peer["steady_median_ms"] == float(np.median(peer["steady_samples_ms"]))
     assert peer["steady_wall_median_ms"] == float(np.median(peer["steady_wall_samples_ms"]))
+
+
+def test_time_steady_peers_take_turns_and_settle_adds_untimed_rounds():
+    import mlx.core as mx
+
+    order = []
+
+    def call():
+        order.append("a")
+        return mx.zeros((1,))
+
+    def peer_round(calls: int):
+        order.append(("p", calls))
+        return (1.0, 2.0)
+
+    got = sweep.time_steady({"a": call}, 2, 3, {"p": peer_round})
+    assert order == ["a", "a", ("p", 2)] * 4  # one warm round each, then 3 in turn
+    assert got["p"] == [(1.0, 2.0)] * 3 and len(got["a"]) == 3
+    order.clear()
+
+    def slow_peer(calls: int):
+        order.append("p")
+        time.sleep(0.02)
+        return (1.0, 2.0)
+
+    t0 = time.perf_counter()
+    got = sweep.time_steady({"a": call}, 1, 2, {"p": slow_peer}, settle_s=0.1)
+    assert time.perf_counter() - t0 >= 0.1
+    warm = order[: -2 * 2]  # the timed rounds are the last two of each
+    assert len(warm) >= 2 * 5 and warm == ["a", "p"] * (len(warm) // 2)
+    assert len(got["a"]) == len(got["p"]) == 2
+
+
+def test_sweep_times_torch_in_the_steady_and_paired_rotations(monkeypatch):
+    log: list = []
+    _fake_torch(monkeypatch, log)
+    calls = []
+    real = sweep.time_steady
+
+    def spy(entries, per_round, rounds, peers=None, settle_s=0.0):
+        calls.append((sorted(entries), per_round, rounds, sorted(peers or {}), settle_s))
+        return real(entries, per_round, rounds, peers, settle_s)
+
+    monkeypatch.setattr(sweep, "time_steady", spy)
+    doc = sweep.run_sweep(
+        operator="op", n=5, k=4, tokens=3, configs=[], walks=[0], warmup=1, repeats=2,
+        steady=(4, 3), paired=2, settle_s=0.0, log=io.StringIO(),
+    )  # fmt: skip
+    assert calls == [(["baseline"], 4, 3, ["torch"], 0.0), (["baseline"], 1, 2, ["torch"], 0.0)]
+    (peer,) = doc["extra"]["peers"]
+    assert len(peer["steady_samples_ms"]) == 3 and len(peer["paired_wall_samples_ms"]) == 2
+    assert [e["config"] for e in doc["extra"]["steady"]["entries"]] == ["baseline"]
+    assert "entries and torch round-robin" in doc["extra"]["steady"]["method"]
+    assert "entries and torch round-robin" in doc["extra"]["paired"]["method"]
 
 
 def test_compare_shows_torch_wall_clock_steady_row(fixture):

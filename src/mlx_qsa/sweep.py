@@ -23,10 +23,12 @@ PRECISION_VARIABLES = ("MLX_ENABLE_TF32", "MLX_CONV_WINOGRAD")
 # Variables that change timings but not results: recorded in "extra" beside the timings they
 # shaped (PERFORMANCE.md §7.6); null where unset (MLX's default applies).
 TIMING_VARIABLES = ("MLX_USE_CUDA_GRAPHS",)
+PEER_NAME = "torch"  # the peer's key in time_steady's rotation
 for _name in PRECISION_VARIABLES:
     os.environ.setdefault(_name, "0")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -429,34 +431,52 @@ def time_calls(fn, warmup: int, repeats: int):
     return y, samples
 
 
-def time_steady(calls: dict[str, Any], per_round: int, rounds: int) -> dict[str, list[float]]:
+def time_steady(
+    calls: dict[str, Any],
+    per_round: int,
+    rounds: int,
+    peers: dict[str, Any] | None = None,
+    settle_s: float = 0.0,
+) -> dict[str, list[Any]]:
     """Per-call device throughput: `per_round` back-to-back calls, then one synchronize, divided.
 
     PERFORMANCE.md §7's method: each call ends in `mx.async_eval` of its output, so the GPU
     starts on the first call while the host builds the next (as torch's launches do), and the
-    host's work per call overlaps the kernels instead of adding to them; the entries run
-    round-robin, so a clock or thermal drift spreads over all of them instead of favouring one.
-    With `per_round` 1 each sample is one call + `mx.eval` + synchronize, as the schema's
-    (`time_calls`): `sweep --paired`.
+    host's work per call overlaps the kernels instead of adding to them. With `per_round` 1
+    each sample is one call + `mx.eval` + synchronize, as the schema's (`time_calls`):
+    `sweep --paired`.
+
+    All entries take turns, round by round, and so do `peers` (name -> a function running one
+    round of that many calls of a peer and returning its own measure of it, e.g. torch's CUDA
+    events): on the lent GPUs a load that starts after idle time first runs at power-capped
+    clocks, up to ~20 % lower for about half a second, so timing one entry after another would
+    hand that penalty to whichever comes first. After one untimed round of each, untimed rounds
+    go on until `settle_s` seconds have passed, for the clocks to settle.
     """
     import mlx.core as mx
 
-    def one_round(fn) -> None:
+    def mlx_round(fn) -> float:
+        t0 = time.perf_counter()
         if per_round == 1:
             mx.eval(fn())
         else:
             for _ in range(per_round):
                 mx.async_eval(fn())
         mx.synchronize()
+        return (time.perf_counter() - t0) * 1e3 / per_round
 
-    out: dict[str, list[float]] = {name: [] for name in calls}
-    for fn in calls.values():  # warm: one round each, untimed
-        one_round(fn)
+    entries = {name: functools.partial(mlx_round, fn) for name, fn in calls.items()}
+    entries |= {name: functools.partial(fn, per_round) for name, fn in (peers or {}).items()}
+    settled = time.perf_counter() + settle_s
+    while True:  # warm: one round each, then more until the clocks have had settle_s
+        for one_round in entries.values():
+            one_round()
+        if time.perf_counter() >= settled:
+            break
+    out: dict[str, list[Any]] = {name: [] for name in entries}
     for _ in range(rounds):
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            one_round(fn)
-            out[name].append((time.perf_counter() - t0) * 1e3 / per_round)
+        for name, one_round in entries.items():
+            out[name].append(one_round())
     return out
 
 
@@ -476,9 +496,16 @@ def torch_peer(
     reference,
     operator: str,
     tokens: int,
-    steady: tuple[int, int] = (0, 0),
 ):
-    """torch `F.linear(x, W, b)` on the same bf16 inputs, or None when torch is missing."""
+    """torch `F.linear(x, W, b)` on the same bf16 inputs: `(document, steady_round)`, or None
+    when torch is missing.
+
+    The document has the one-call samples (as the trials are timed) and, on CUDA, CUDA-event
+    samples of one call. `steady_round(calls)` runs `calls` back-to-back calls and returns
+    their CUDA-event time per call (PERFORMANCE.md §7's torch measure) and their wall time
+    until the synchronize returns (the MLX entries' measure), per call; it is None without
+    CUDA. `time_steady` takes it as a peer, `add_steady_fields` files its rounds.
+    """
     try:
         import torch
         import torch.nn.functional as F
@@ -506,26 +533,19 @@ def torch_peer(
         sync()
         samples.append((time.perf_counter() - t0) * 1e3)
 
-    def event_ms(calls: int) -> tuple[float, float]:
-        """CUDA-event time of `calls` back-to-back calls, per call, and their wall time until
-        the synchronize returns (what the MLX entries' steady figure measures), per call."""
-        nonlocal out
+    def steady_round(calls: int) -> tuple[float, float]:
         start = torch.cuda.Event(enable_timing=True)
         stop = torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         start.record()
         for _ in range(calls):
-            out = F.linear(tx, tw, tb)
+            F.linear(tx, tw, tb)
         stop.record()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3 / calls
         return float(start.elapsed_time(stop)) / calls, wall
 
-    per_round, rounds = steady
-    rounds = rounds if per_round else 0
-    events = [event_ms(1)[0] for _ in range(repeats)] if dev == "cuda" else []
-    steady_rounds = [event_ms(per_round) for _ in range(rounds)] if dev == "cuda" else []
-    steady_ms = [e for e, _ in steady_rounds]
+    events = [steady_round(1)[0] for _ in range(repeats)] if dev == "cuda" else []
     max_abs, rmse, equal = agreement(reference, out.float().cpu().numpy())
     peer: dict[str, Any] = {
         "peer": "torch.nn.functional.linear",
@@ -542,15 +562,19 @@ def torch_peer(
     if events:
         peer["event_median_ms"] = statistics.median(events)
         peer["event_samples_ms"] = events
-    if steady_ms:
-        peer["steady_median_ms"] = statistics.median(steady_ms)
-        peer["steady_samples_ms"] = steady_ms
-        # The same rounds by wall clock, as the MLX entries' steady figure is taken: PERFORMANCE
-        # §7 times torch by events, which leave out its launch and synchronize costs.
-        walls = [w for _, w in steady_rounds]
-        peer["steady_wall_median_ms"] = statistics.median(walls)
-        peer["steady_wall_samples_ms"] = walls
-    return peer
+    return peer, (steady_round if dev == "cuda" else None)
+
+
+def add_steady_fields(peer: dict, kind: str, rounds: list[tuple[float, float]]) -> None:
+    """File a peer's `(event ms, wall ms)` rounds from `time_steady` as `{kind}_median_ms`
+    and `{kind}_samples_ms` (events, PERFORMANCE.md §7) and `{kind}_wall_...` (wall clock, the
+    way the MLX entries are timed; events leave out the launch and synchronize costs)."""
+    events = [e for e, _ in rounds]
+    walls = [w for _, w in rounds]
+    peer[f"{kind}_median_ms"] = statistics.median(events)
+    peer[f"{kind}_samples_ms"] = events
+    peer[f"{kind}_wall_median_ms"] = statistics.median(walls)
+    peer[f"{kind}_wall_samples_ms"] = walls
 
 
 def run_sweep(
@@ -569,13 +593,16 @@ def run_sweep(
     extra: bool = True,
     steady: tuple[int, int] = (0, 0),
     paired: int = 0,
+    settle_s: float = 0.0,
     log=None,
 ) -> dict:
     """Run the baseline and (on CUDA) every custom configuration; return the document.
 
     `steady = (calls, rounds)` with calls > 0 adds `extra.steady`: each entry's per-call
     throughput (`time_steady`) beside the schema's one-call samples. `paired` > 0 adds
-    `extra.paired`: that many one-call samples of every entry, round-robin (`time_paired`).
+    `extra.paired`: that many one-call samples of every entry, round-robin (`time_steady` with
+    one call a round). torch, when importable, takes its turns in both rotations; both start
+    after `settle_s` seconds of untimed rounds.
     """
     import mlx.core as mx
 
@@ -669,38 +696,53 @@ def run_sweep(
             )
             mx.clear_cache()
 
+    peer, peer_round = None, None
+    if extra:
+        found = torch_peer(x, w, b, warmup, repeats, reference, operator, tokens)
+        if found is not None:
+            peer, peer_round = found
+            print(f"torch F.linear: median {peer['median_ms']:.4f} ms", file=log)
+    # torch's rounds take turns with the MLX entries' (time_steady says why)
+    peers = {PEER_NAME: peer_round} if peer_round is not None else {}
+    rotation = "entries and torch round-robin" if peers else "entries round-robin"
+    settle = f"after {settle_s:g} s of untimed rounds, " if settle_s > 0 else ""
+
     steady_doc = None
     if extra and steady[0] > 0:
         per_round, rounds = steady
+        measured = time_steady(steady_calls, per_round, rounds, peers, settle_s)
+        if peers:
+            add_steady_fields(peer, "steady", measured.pop(PEER_NAME))
+            print(
+                f"steady torch F.linear {peer['steady_median_ms']:.4f} ms "
+                f"(wall {peer['steady_wall_median_ms']:.4f} ms)",
+                file=log,
+            )
         steady_doc = _round_robin_doc(
             "steady",
             f"{per_round} back-to-back calls, each ended by mx.async_eval, then one synchronize, "
-            f"divided; {rounds} rounds, entries round-robin",
-            time_steady(steady_calls, per_round, rounds),
+            f"divided; {rounds} rounds {settle}{rotation}",
+            measured,
             log,
         )
 
     paired_doc = None
     if extra and paired > 0:
+        measured = time_steady(steady_calls, 1, paired, peers, settle_s)
+        if peers:
+            add_steady_fields(peer, "paired", measured.pop(PEER_NAME))
+            print(
+                f"paired torch F.linear {peer['paired_median_ms']:.4f} ms "
+                f"(wall {peer['paired_wall_median_ms']:.4f} ms)",
+                file=log,
+            )
         paired_doc = _round_robin_doc(
             "paired",
-            f"{paired} rounds of one call + eval + synchronize per entry, entries round-robin",
-            time_steady(steady_calls, 1, paired),
+            f"{paired} rounds of one call + eval + synchronize per entry, {settle}{rotation}",
+            measured,
             log,
             quartiles=True,
         )
-
-    peer = None
-    if extra:
-        peer = torch_peer(x, w, b, warmup, repeats, reference, operator, tokens, steady)
-        if peer is not None:
-            print(f"torch F.linear: median {peer['median_ms']:.4f} ms", file=log)
-            if "steady_median_ms" in peer:
-                print(
-                    f"steady torch F.linear {peer['steady_median_ms']:.4f} ms "
-                    f"(wall {peer['steady_wall_median_ms']:.4f} ms)",
-                    file=log,
-                )
 
     doc: dict[str, Any] = {
         "environment": environment(backend),
@@ -830,6 +872,13 @@ def _non_negative(text: str) -> int:
     return v
 
 
+def _non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group()
     what.add_argument(
@@ -880,6 +929,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default 0: off)",
     )
     parser.add_argument(
+        "--settle",
+        type=_arg(_non_negative_seconds),
+        default=1.0,
+        metavar="SECONDS",
+        help="untimed round-robin rounds before --steady and --paired time, for at least this "
+        "long: the GPU's clocks dip when a load starts after idle time (default 1)",
+    )
+    parser.add_argument(
         "--compare",
         nargs=2,
         metavar=("A.json", "B.json"),
@@ -920,6 +977,7 @@ def run(args: argparse.Namespace) -> int:
         extra=not args.no_extra,
         steady=args.steady if isinstance(args.steady, tuple) else parse_steady(args.steady),
         paired=args.paired,
+        settle_s=args.settle,
     )
     text = serialize(doc)
     if args.out:
