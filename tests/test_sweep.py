@@ -250,7 +250,16 @@ def test_compare_shows_paired_rows(fixture):
     rows = _compare_rows(fixture, doc, "paired")
     assert rows["paired best custom"] == ["-", "[1,2,3]/4/0"]
     assert rows["paired best / baseline"] == ["-", "0.9500"]
+    assert rows["paired torch ms"] == rows["paired best / torch"] == ["-", "-"]
     assert "paired" not in sweep.compare_text(fixture, fixture)
+    # torch's rounds of the same rotation
+    doc["extra"]["peers"] = [
+        {"median_ms": 1.0, "paired_median_ms": 2.5, "paired_wall_median_ms": 3}
+    ]
+    rows = _compare_rows(fixture, doc, "paired")
+    assert rows["paired torch ms"] == ["-", "2.500"]
+    assert rows["paired best / torch"] == ["-", "0.7600"]  # 1.9 / 2.5
+    assert rows["paired torch wall ms"] == ["-", "3.000"]
 
 
 def test_compare_shows_steady_rows(fixture):

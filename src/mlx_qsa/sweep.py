@@ -247,22 +247,25 @@ def compare_text(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
             return "-"
         return f"{s['best']['median_ms'] / s['peer']['median_ms']:.4f}"
 
-    def steady_torch(s: dict) -> bool:
-        return s["peer"] is not None and "steady_median_ms" in s["peer"]
+    def peer_has(s: dict, field: str) -> bool:
+        return s["peer"] is not None and field in s["peer"]
 
-    def steady_peer_ms(s: dict, field: str) -> str:
-        """A steady figure of the torch peer, or '-' where the document has none."""
-        return ms(s["peer"], field) if steady_torch(s) and field in s["peer"] else "-"
+    def peer_ms(s: dict, field: str) -> str:
+        """A figure of the torch peer, or '-' where the document has none."""
+        return ms(s["peer"], field) if peer_has(s, field) else "-"
 
     def best_ratio(s: dict, kind: str, torch: bool = False) -> str:
         best = s[f"{kind}_best"]
-        if best is None or s[f"{kind}_baseline"] is None or (torch and not steady_torch(s)):
+        if best is None or s[f"{kind}_baseline"] is None:
             return "-"
-        ref = s["peer"]["steady_median_ms"] if torch else s[f"{kind}_baseline"]["median_ms"]
+        if torch and not peer_has(s, f"{kind}_median_ms"):
+            return "-"
+        ref = s["peer"][f"{kind}_median_ms"] if torch else s[f"{kind}_baseline"]["median_ms"]
         return f"{best['median_ms'] / ref:.4f}"
 
     def block_rows(kind: str) -> list[tuple[str, str, str]]:
-        """The baseline, the fastest entry and their ratio in extra.steady or extra.paired."""
+        """The baseline, the fastest entry and their ratio in extra.steady or extra.paired, and
+        the torch peer's figures of the same rotation."""
         return [
             (f"{kind} baseline ms", ms(sa[f"{kind}_baseline"]), ms(sb[f"{kind}_baseline"])),
             (
@@ -272,6 +275,18 @@ def compare_text(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
             ),
             (f"{kind} best ms", ms(sa[f"{kind}_best"]), ms(sb[f"{kind}_best"])),
             (f"{kind} best / baseline", best_ratio(sa, kind), best_ratio(sb, kind)),
+            # torch's rounds in the same rotation: CUDA events, then wall clock
+            (
+                f"{kind} torch ms",
+                peer_ms(sa, f"{kind}_median_ms"),
+                peer_ms(sb, f"{kind}_median_ms"),
+            ),
+            (f"{kind} best / torch", best_ratio(sa, kind, True), best_ratio(sb, kind, True)),
+            (
+                f"{kind} torch wall ms",
+                peer_ms(sa, f"{kind}_wall_median_ms"),
+                peer_ms(sb, f"{kind}_wall_median_ms"),
+            ),
         ]
 
     rows = [
@@ -314,22 +329,9 @@ def compare_text(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
         ("torch F.linear median ms", ms(sa["peer"]), ms(sb["peer"])),
         ("best / torch median", peer_ratio(sa), peer_ratio(sb)),
     ]
-    if sa["steady_baseline"] or sb["steady_baseline"]:
-        rows += block_rows("steady") + [
-            (
-                "steady torch ms",
-                steady_peer_ms(sa, "steady_median_ms"),
-                steady_peer_ms(sb, "steady_median_ms"),
-            ),
-            ("steady best / torch", best_ratio(sa, "steady", True), best_ratio(sb, "steady", True)),
-            (
-                "steady torch wall ms",
-                steady_peer_ms(sa, "steady_wall_median_ms"),
-                steady_peer_ms(sb, "steady_wall_median_ms"),
-            ),
-        ]
-    if sa["paired_baseline"] or sb["paired_baseline"]:
-        rows += block_rows("paired")
+    for kind in ("steady", "paired"):
+        if sa[f"{kind}_baseline"] or sb[f"{kind}_baseline"]:
+            rows += block_rows(kind)
     w0 = max(len(r[0]) for r in rows) + 2
     w1 = max(len(r[1]) for r in rows) + 2
     lines = [f"{r[0]:<{w0}}{r[1]:<{w1}}{r[2]}" for r in rows]
