@@ -2,8 +2,9 @@
 
 The sweep's steady figure for MLX is wall time over `per_round` calls; torch's is CUDA events
 around its calls, which count GPU time only. Every configuration and torch's `F.linear` take
-turns round by round, after `--settle` seconds of untimed rounds (a load that starts after idle
-time first runs at power-capped clocks). For each `per_round`, µs per call, medians:
+turns round by round, after `--settle` seconds of untimed rounds (under this load the GPU sits
+at its power cap, and a short burst after lighter load runs at higher clocks). For each
+`per_round`, µs per call, medians:
 - submit: building the calls and returning from the last `mx.async_eval` (the host's part);
 - wall: until `mx.synchronize()` returns (what the sweep's steady figure measures);
 - gpu: the GPU's own time per call, from a one-thread kernel reading the global timer after

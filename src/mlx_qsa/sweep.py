@@ -450,10 +450,12 @@ def time_steady(
 
     All entries take turns, round by round, and so do `peers` (name -> a function running one
     round of that many calls of a peer and returning its own measure of it, e.g. torch's CUDA
-    events): on the lent GPUs a load that starts after idle time first runs at power-capped
-    clocks, up to ~20 % lower for about half a second, so timing one entry after another would
-    hand that penalty to whichever comes first. After one untimed round of each, untimed rounds
-    go on until `settle_s` seconds have passed, for the clocks to settle.
+    events): back-to-back GEMMs of the qkv size hold the lent GPUs at their 700 W power cap,
+    where the SM clock sits near 1600 MHz instead of 1980, and a short burst after lighter
+    load runs faster than the same calls in a long phase; timed one entry after another, the
+    ratios depend on the order (torch timed alone came out 12–15 % faster than in turns with
+    the MLX entries, BENCHMARKS.md). After one untimed round of each, untimed rounds go on until
+    `settle_s` seconds have passed, so the clocks have settled before any round is timed.
     """
     import mlx.core as mx
 
@@ -936,7 +938,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         metavar="SECONDS",
         help="untimed round-robin rounds before --steady and --paired time, for at least this "
-        "long: the GPU's clocks dip when a load starts after idle time (default 1)",
+        "long, so the GPU's clocks settle under the load before any round is timed (default 1)",
     )
     parser.add_argument(
         "--compare",
