@@ -711,40 +711,35 @@ def run_sweep(
     rotation = "entries and torch round-robin" if peers else "entries round-robin"
     settle = f"after {settle_s:g} s of untimed rounds, " if settle_s > 0 else ""
 
+    def rotation_doc(kind: str, per_round: int, rounds: int, method: str, **kw) -> dict:
+        """extra.steady / extra.paired: the MLX entries' rounds and torch's, in turns."""
+        measured = time_steady(steady_calls, per_round, rounds, peers, settle_s)
+        if peers:
+            add_steady_fields(peer, kind, measured.pop(PEER_NAME))
+            print(
+                f"{kind} torch F.linear {peer[f'{kind}_median_ms']:.4f} ms "
+                f"(wall {peer[f'{kind}_wall_median_ms']:.4f} ms)",
+                file=log,
+            )
+        return _round_robin_doc(kind, f"{method}, {settle}{rotation}", measured, log, **kw)
+
     steady_doc = None
     if extra and steady[0] > 0:
         per_round, rounds = steady
-        measured = time_steady(steady_calls, per_round, rounds, peers, settle_s)
-        if peers:
-            add_steady_fields(peer, "steady", measured.pop(PEER_NAME))
-            print(
-                f"steady torch F.linear {peer['steady_median_ms']:.4f} ms "
-                f"(wall {peer['steady_wall_median_ms']:.4f} ms)",
-                file=log,
-            )
-        steady_doc = _round_robin_doc(
+        steady_doc = rotation_doc(
             "steady",
+            per_round,
+            rounds,
             f"{per_round} back-to-back calls, each ended by mx.async_eval, then one synchronize, "
-            f"divided; {rounds} rounds {settle}{rotation}",
-            measured,
-            log,
+            f"divided; {rounds} rounds",
         )
-
     paired_doc = None
     if extra and paired > 0:
-        measured = time_steady(steady_calls, 1, paired, peers, settle_s)
-        if peers:
-            add_steady_fields(peer, "paired", measured.pop(PEER_NAME))
-            print(
-                f"paired torch F.linear {peer['paired_median_ms']:.4f} ms "
-                f"(wall {peer['paired_wall_median_ms']:.4f} ms)",
-                file=log,
-            )
-        paired_doc = _round_robin_doc(
+        paired_doc = rotation_doc(
             "paired",
-            f"{paired} rounds of one call + eval + synchronize per entry, {settle}{rotation}",
-            measured,
-            log,
+            1,
+            paired,
+            f"{paired} rounds of one call + eval + synchronize per entry",
             quartiles=True,
         )
 
