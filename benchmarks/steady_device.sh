@@ -28,3 +28,7 @@ for g in ${SWEEP_GRAPH_ORDER:-1 0 1 0}; do
     SWEEP_ARGS="${SWEEP_ARGS:---paired 300}" SWEEP_TAIL=12 bash benchmarks/gemm_wg3_device.sh sweeps
 done
 kill "$smi"
+# The device returns at most 8 files a call: TAR=1 packs this call's directory into one.
+if [ -n "${TAR:-}" ]; then
+  tar -C "$(dirname "$OUT")" -cJf "$OUT.tar.xz" "$(basename "$OUT")" && rm -rf "$OUT"
+fi
