@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 from gemm_profile import call
 
-from mlx_qsa.sweep import OPERATORS, make_inputs
+from mlx_qsa.sweep import OPERATORS, make_inputs, time_steady
 
 
 @functools.cache
@@ -128,16 +128,9 @@ def main() -> None:
     mode = "one async_eval per round" if args.together else "each call async_eval'd"
     print(f"MLX: {mode}; µs per call, medians of {args.rounds} rounds; gpu = stamps / events")
     for per_round in (int(v) for v in args.per_round.split(",")):
-        settled = time.perf_counter() + args.settle
-        while True:  # untimed: compile, plan, fill the buffer caches, let the clocks settle
-            for one in entries.values():
-                one(per_round)
-            if time.perf_counter() >= settled:
-                break
-        res: dict[str, list[dict[str, float]]] = {c: [] for c in entries}
-        for _ in range(args.rounds):  # entries take turns, round by round
-            for c, one in entries.items():
-                res[c].append(one(per_round))
+        # the sweep's rotation: untimed rounds for --settle seconds, then entries take turns;
+        # every entry times itself (stamps, events), so all go in as time_steady's peers
+        res = time_steady({}, per_round, args.rounds, entries, args.settle)
         for c, r in res.items():
             line = f"{c:28s} per_round {per_round:3d}"
             for field in ("submit", "wall", "gpu", "span_max"):

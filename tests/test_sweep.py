@@ -348,7 +348,7 @@ def test_torch_peer_steady_rounds_by_events_and_by_wall_clock(monkeypatch):
     log.clear()
     rounds = [steady_round(4) for _ in range(3)]
     assert log == (["record"] + ["linear"] * 4 + ["record", "sync"]) * 3
-    sweep.add_steady_fields(peer, "steady", rounds)
+    sweep.add_round_fields(peer, "steady", rounds)
     assert len(peer["steady_samples_ms"]) == len(peer["steady_wall_samples_ms"]) == 3
     # wall clock spans the events and the synchronize: never shorter
     for e, wall in zip(peer["steady_samples_ms"], peer["steady_wall_samples_ms"], strict=True):

@@ -508,7 +508,7 @@ def torch_peer(
     samples of one call. `steady_round(calls)` runs `calls` back-to-back calls and returns
     their CUDA-event time per call (PERFORMANCE.md §7's torch measure) and their wall time
     until the synchronize returns (the MLX entries' measure), per call; it is None without
-    CUDA. `time_steady` takes it as a peer, `add_steady_fields` files its rounds.
+    CUDA. `time_steady` takes it as a peer, `add_round_fields` files its rounds.
     """
     try:
         import torch
@@ -569,7 +569,7 @@ def torch_peer(
     return peer, (steady_round if dev == "cuda" else None)
 
 
-def add_steady_fields(peer: dict, kind: str, rounds: list[tuple[float, float]]) -> None:
+def add_round_fields(peer: dict, kind: str, rounds: list[tuple[float, float]]) -> None:
     """File a peer's `(event ms, wall ms)` rounds from `time_steady` as `{kind}_median_ms`
     and `{kind}_samples_ms` (events, PERFORMANCE.md §7) and `{kind}_wall_...` (wall clock, the
     way the MLX entries are timed; events leave out the launch and synchronize costs)."""
@@ -715,7 +715,7 @@ def run_sweep(
         """extra.steady / extra.paired: the MLX entries' rounds and torch's, in turns."""
         measured = time_steady(steady_calls, per_round, rounds, peers, settle_s)
         if peers:
-            add_steady_fields(peer, kind, measured.pop(PEER_NAME))
+            add_round_fields(peer, kind, measured.pop(PEER_NAME))
             print(
                 f"{kind} torch F.linear {peer[f'{kind}_median_ms']:.4f} ms "
                 f"(wall {peer[f'{kind}_wall_median_ms']:.4f} ms)",
