@@ -25,18 +25,45 @@ def _args(*argv: str) -> argparse.Namespace:
     return build_parser("bench").parse_args(["bench", *argv])
 
 
-def test_decode_document(tmp_path) -> None:
+def _spy_turns(monkeypatch) -> list[tuple[list[str], int, int, float]]:
+    """Each `take_turns` call of the bench: (entry names, rounds, warm rounds, settle)."""
+    calls = []
+    real = bench.take_turns
+
+    def spy(entries, rounds, warm_rounds=1, settle_s=0.0):
+        calls.append((list(entries), rounds, warm_rounds, settle_s))
+        return real(entries, rounds, warm_rounds, settle_s)
+
+    monkeypatch.setattr(bench, "take_turns", spy)
+    return calls
+
+
+def test_decode_document(tmp_path, monkeypatch) -> None:
     out = tmp_path / "d.json"
     args = _args(
         "decode", "--contexts", "3k", "--rows", "1,3", "--sets", "2", "--repeats", "2",
-        "--warmup", "1", "--copy-bytes", "8000000", "--out", str(out),
+        "--warmup", "1", "--settle", "0.05", "--copy-bytes", "8000000", "--out", str(out),
     )  # fmt: skip
+    turns = _spy_turns(monkeypatch)
     assert bench.run(args) == 0
     doc = json.loads(out.read_text())
+    # every entry of a point in one rotation, after the warm-up passes and the settle time
+    cuda = mx.cuda.is_available()
+    names = [f"qsa_{i}{m}" for i in (("cuda", "portable") if cuda else ("portable",))
+             for m in ("", "_async")]  # fmt: skip
+    names += ["mlx_gather_sdpa", "mlx_gather_sdpa_async", "mlx_dense_sdpa"]
+    names += [f"qsa_{i}_layer{m}" for i in (("cuda", "portable") if cuda else ("portable",))
+              for m in ("", "_async")]  # fmt: skip
+    for entries, rounds, warm, settle in turns:
+        assert entries[: len(names)] == names and (rounds, warm, settle) == (2, 1, 0.05)
+        assert set(entries[len(names) :]) <= {"torch_dense_sdpa", "torch_dense_sdpa_sync"}
+    assert len(turns) == 2  # one per point
+    timing = doc["timing"]
+    assert timing["order"].startswith("in turns") and timing["settle_s"] == 0.05
+    assert (timing["warmup_passes"], timing["samples"]) == (1, 2)
     assert doc["bench"] == "decode" and doc["command"].startswith("mlx-qsa bench")
     assert doc["geometry"]["num_attention_heads"] == 24 and doc["geometry"]["head_dim"] == 256
     assert [(p["context"], p["rows"]) for p in doc["points"]] == [(3072, 1), (3072, 3)]
-    cuda = mx.cuda.is_available()
     for p in doc["points"]:
         t = p["timings"]
         expected = {"qsa_portable", "mlx_gather_sdpa", "mlx_dense_sdpa", "qsa_portable_layer"}
@@ -82,15 +109,22 @@ def test_decode_document(tmp_path) -> None:
     assert doc["bandwidth"]["gbps"] > 0
 
 
-def test_prefill_document(tmp_path) -> None:
+def test_prefill_document(tmp_path, monkeypatch) -> None:
     out = tmp_path / "p.json"
     args = _args(
         "prefill", "--contexts", "2048", "--chunk", "64", "--sets", "1", "--repeats", "1",
-        "--warmup", "1", "--ceiling-n", "256", "--out", str(out),
+        "--warmup", "1", "--settle", "0", "--ceiling-n", "256", "--out", str(out),
     )  # fmt: skip
+    turns = _spy_turns(monkeypatch)
     assert bench.run(args) == 0
     doc = json.loads(out.read_text())
     (p,) = doc["points"]
+    parts = ("selection", "attention", "selection_attention", "layer")
+    impls = ("cuda", "portable") if mx.cuda.is_available() else ("portable",)
+    ((entries, rounds, warm, settle),) = turns  # the point's entries in one rotation
+    assert entries[: 4 * len(impls)] == [f"qsa_{i}_{k}" for i in impls for k in parts]
+    assert set(entries[4 * len(impls) :]) <= {"torch_dense_causal_sdpa"}
+    assert (rounds, warm, settle) == (1, 1, 0.0)
     assert (p["prefix"], p["rows"]) == (2048, 64)
     t = p["timings"]
     assert t["qsa_portable_layer"]["median_us"] > 0
@@ -122,7 +156,26 @@ def test_tp_needs_a_matching_group() -> None:
         bench.run(_args("decode", "--tp", "2", "--contexts", "4096"))
 
 
+def test_mlx_pass_evaluates_each_step_or_queues_them(monkeypatch) -> None:
+    log = []
+    monkeypatch.setattr(mx, "async_eval", lambda *a: log.append("async_eval"))
+    monkeypatch.setattr(mx, "eval", lambda *a: log.append("eval"))
+    monkeypatch.setattr(mx, "synchronize", lambda *a: log.append("sync"))
+
+    def step(i: int):
+        log.append(i)
+        return mx.zeros((1,))
+
+    assert bench.mlx_pass(step, 3)() >= 0
+    assert log == ["sync", 0, "eval", 1, "eval", 2, "eval", "sync"]  # one round trip a step
+    log.clear()
+    bench.mlx_pass(step, 2, sync_each=False)()
+    assert log == ["sync", 0, "async_eval", 1, "async_eval", "sync"]  # queued, one sync
+
+
 def test_argument_errors() -> None:
+    with pytest.raises(SystemExit, match="--settle >= 0"):
+        bench.run(_args("decode", "--settle", "-1"))
     with pytest.raises(SystemExit):
         _args("decode", "--contexts", "8k,x")
     with pytest.raises(SystemExit):

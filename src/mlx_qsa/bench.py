@@ -57,6 +57,7 @@ from .indexer import (
 from .layer import QSAAttention
 from .rope import text_positions, text_rope
 from .sweep import backend_name, environment
+from .turns import take_turns
 
 DEFAULT_CONTEXTS = (8192, 32768, 131072, 262144)
 DEFAULT_ROWS = (1, 2, 4, 8)
@@ -76,55 +77,80 @@ def summary(samples_us: list[float]) -> dict[str, Any]:
     }
 
 
-def time_mlx(
-    step: Callable[[int], Any], n_sets: int, warmup: int, repeats: int, sync_each: bool = True
-) -> dict[str, Any]:
-    """Median over `repeats` samples; a sample = one pass over the sets, time / steps.
+def mlx_pass(
+    step: Callable[[int], Any], n_sets: int, sync_each: bool = True
+) -> Callable[[], float]:
+    """One sample of an MLX entry: a pass over the sets, µs per step.
 
     `sync_each`: each step ends in `mx.eval` (host round trip included); otherwise steps are
-    queued with `mx.async_eval` and the sample ends in one `mx.synchronize`."""
-    for i in range(warmup * n_sets):
-        mx.eval(step(i % n_sets))
-    mx.synchronize()
-    samples = []
-    for _ in range(repeats):
+    queued with `mx.async_eval` and the pass ends in one `mx.synchronize`."""
+
+    def one_pass() -> float:
+        mx.synchronize()  # nothing of the previous entry runs into this one
         t0 = time.perf_counter()
         for i in range(n_sets):
             out = step(i)
             mx.eval(out) if sync_each else mx.async_eval(out)
         mx.synchronize()
-        samples.append((time.perf_counter() - t0) / n_sets * 1e6)
-    return summary(samples)
+        return (time.perf_counter() - t0) / n_sets * 1e6
+
+    return one_pass
 
 
-def time_torch(
-    step: Callable[[int], Any], n_sets: int, warmup: int, repeats: int, sync_each: bool = False
-) -> dict:
-    """Median over `repeats` samples of a pass over the sets, time / steps: by CUDA events
-    around the queued steps, or (`sync_each`) by wall clock with `torch.cuda.synchronize()`
-    after every step, as `time_mlx` times one `mx.eval` per step."""
+def torch_pass(
+    step: Callable[[int], Any], n_sets: int, sync_each: bool = False
+) -> Callable[[], float]:
+    """One sample of a torch entry, µs per step: CUDA events around the queued pass, or
+    (`sync_each`) wall clock with `torch.cuda.synchronize()` after every step, as `mlx_pass`
+    times one `mx.eval` per step."""
     import torch
 
-    for i in range(warmup * n_sets):
-        step(i % n_sets)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
+    def one_pass() -> float:
+        torch.cuda.synchronize()
         if sync_each:
             t0 = time.perf_counter()
             for i in range(n_sets):
                 step(i)
                 torch.cuda.synchronize()
-            samples.append((time.perf_counter() - t0) / n_sets * 1e6)
-            continue
+            return (time.perf_counter() - t0) / n_sets * 1e6
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         for i in range(n_sets):
             step(i)
         e1.record()
         torch.cuda.synchronize()
-        samples.append(e0.elapsed_time(e1) * 1e3 / n_sets)
-    return summary(samples)
+        return e0.elapsed_time(e1) * 1e3 / n_sets
+
+    return one_pass
+
+
+def time_in_turns(
+    passes: dict[str, Callable[[], float]], warmup: int, repeats: int, settle_s: float = 0.0
+) -> dict[str, dict[str, Any]]:
+    """Median over `repeats` samples of every entry, the entries taking turns sample by sample
+    (`turns.take_turns`: the lent GPUs' power cap makes phase-by-phase ratios depend on the
+    order) after `warmup` untimed passes of each and `settle_s` seconds of untimed rounds."""
+    samples = take_turns(passes, repeats, warm_rounds=warmup, settle_s=settle_s)
+    return {name: summary(v) for name, v in samples.items()}
+
+
+def timing_doc(args: argparse.Namespace) -> dict[str, Any]:
+    """How a point's entries were timed, for the JSON."""
+    return {
+        "order": "in turns: every entry's pass over the sets, then the next entry's, round by "
+        "round (turns.take_turns)",
+        "warmup_passes": args.warmup,
+        "settle_s": args.settle,
+        "samples": args.repeats,
+        "sample": "one pass over the rotated sets, time / steps; the median is reported",
+    }
+
+
+def time_mlx(
+    step: Callable[[int], Any], n_sets: int, warmup: int, repeats: int, sync_each: bool = True
+) -> dict[str, Any]:
+    """One MLX entry alone (`mlx_pass`): median over `repeats` passes after `warmup`."""
+    return time_in_turns({"": mlx_pass(step, n_sets, sync_each)}, warmup, repeats)[""]
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:
@@ -428,21 +454,23 @@ def bench_decode_point(
     for s in sets:
         sel = qsa_step(cfg, s, "portable")[1]
         gathers.append(gather_inputs(token_lists(sel, np.array(s.positions), 4)))
-    t = rec["timings"]
+    # Every entry below takes turns with the others, pass by pass (`time_in_turns`).
+    passes: dict[str, Callable[[], float]] = {}
     for impl in impls:
-        t[f"qsa_{impl}"] = time_mlx(
-            lambda i, impl=impl: qsa_step(cfg, sets[i], impl)[0], n, warm, reps
-        )
-        t[f"qsa_{impl}_async"] = time_mlx(
-            lambda i, impl=impl: qsa_step(cfg, sets[i], impl)[0], n, warm, reps, sync_each=False
-        )
-    t["mlx_gather_sdpa"] = time_mlx(
-        lambda i: mlx_gather_sdpa(sets[i], *gathers[i], scale), n, warm, reps
-    )
-    t["mlx_gather_sdpa_async"] = time_mlx(
-        lambda i: mlx_gather_sdpa(sets[i], *gathers[i], scale), n, warm, reps, sync_each=False
-    )
-    t["mlx_dense_sdpa"] = time_mlx(lambda i: mlx_dense_sdpa(sets[i], scale), n, warm, reps)
+
+        def step(i: int, impl=impl) -> mx.array:
+            return qsa_step(cfg, sets[i], impl)[0]
+
+        passes[f"qsa_{impl}"] = mlx_pass(step, n)
+        passes[f"qsa_{impl}_async"] = mlx_pass(step, n, sync_each=False)
+
+    def gather_step(i: int) -> mx.array:
+        return mlx_gather_sdpa(sets[i], *gathers[i], scale)
+
+    passes["mlx_gather_sdpa"] = mlx_pass(gather_step, n)
+    passes["mlx_gather_sdpa_async"] = mlx_pass(gather_step, n, sync_each=False)
+    passes["mlx_dense_sdpa"] = mlx_pass(lambda i: mlx_dense_sdpa(sets[i], scale), n)
+    consumers: dict[str, list[str]] = {}  # each layer's, from its counted step
     if layers:
         caches = [random_cache(next(iter(layers.values())), T, rows, seed=i) for i in range(n)]
         xs = [layer_rows(cfg, rows, seed=i) for i in range(n)]
@@ -464,26 +492,31 @@ def bench_decode_point(
                 y = layer(xs[0], cache=caches[0])
                 if counted:
                     rec["primitives"][f"qsa_{impl}_layer"] = primitive_counts(y, *caches[0].state)
+                    consumers[impl] = list(layer.last_call.consumers)
                 mx.eval(y, *caches[0].state)
                 caches[0].trim(rows)
-            t[f"qsa_{impl}_layer"] = time_mlx(layer_step, n, warm, reps)
-            t[f"qsa_{impl}_layer"]["consumers"] = list(layer.last_call.consumers)
+            passes[f"qsa_{impl}_layer"] = mlx_pass(layer_step, n)
             # Queued, as an engine runs its decode loop (mlx-lm: `mx.async_eval` of step N+1
             # while step N runs): host build and device work overlap.
-            t[f"qsa_{impl}_layer_async"] = time_mlx(layer_step, n, warm, reps, sync_each=False)
+            passes[f"qsa_{impl}_layer_async"] = mlx_pass(layer_step, n, sync_each=False)
     torch = _torch_cuda() if not args.no_torch else None
+    peer = None
     if torch is not None:
         peer = TorchDense(cfg, T, rows, n, seed=T + rows)
-        t["torch_dense_sdpa"] = time_torch(peer.step, n, warm, reps)
+        passes["torch_dense_sdpa"] = torch_pass(peer.step, n)
+        passes["torch_dense_sdpa_sync"] = torch_pass(peer.step, n, sync_each=True)
+    else:
+        rec["skipped"] = {"torch_dense_sdpa": "torch with CUDA is not importable here"}
+    t = rec["timings"]
+    t.update(time_in_turns(passes, warm, reps, args.settle))
+    for impl, names in consumers.items():
+        t[f"qsa_{impl}_layer"]["consumers"] = names
+    if peer is not None:
         t["torch_dense_sdpa"]["backend"] = peer.backend.name
-        t["torch_dense_sdpa_sync"] = time_torch(peer.step, n, warm, reps, sync_each=True)
         if peer.note:
             t["torch_dense_sdpa"]["note"] = peer.note
         if rows > 1:
             t["torch_dense_sdpa"]["mask"] = "none (the rows see the whole context)"
-        del peer
-    else:
-        rec["skipped"] = {"torch_dense_sdpa": "torch with CUDA is not importable here"}
     return rec
 
 
@@ -563,9 +596,13 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         rec["flops"] = work
         rec["attention_kv_bytes"] = prefill_kv_bytes(cfg, P, S)
         outs = {}
+        passes: dict[str, Callable[[], float]] = {}  # taken in turns (`time_in_turns`)
+        consumers = {}
         for impl in impls:
-            comp, outs[impl] = prefill_components(cfg, sets, impl, args)
-            rec["timings"].update({f"qsa_{impl}_{k}": v for k, v in comp.items()})
+            comp, consumers[f"qsa_{impl}_attention"], outs[impl] = prefill_components(
+                cfg, sets, impl
+            )
+            passes.update({f"qsa_{impl}_{k}": v for k, v in comp.items()})
             opts = QSAOptions(kernels="auto" if impl == "cuda" else "portable")
             lay = QSAAttention(cfg, options=opts, fused=4)
             lay.update(base.parameters())
@@ -575,20 +612,29 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
                 caches[i].trim(S)
                 return y
 
-            t = time_mlx(step, args.sets, args.warmup, args.repeats)
-            t["consumers"] = list(lay.last_call.consumers)
-            rec["timings"][f"qsa_{impl}_layer"] = t
+            mx.eval(step(0))
+            consumers[f"qsa_{impl}_layer"] = list(lay.last_call.consumers)
+            passes[f"qsa_{impl}_layer"] = mlx_pass(step, args.sets)
         if "cuda" in outs:
             rec["checks"] = prefill_checks(outs["cuda"], outs["portable"])
-        del sets, outs
+        del outs
         torch = _torch_cuda() if not args.no_torch else None
         if torch is not None:
-            rec["timings"]["torch_dense_causal_sdpa"] = _torch_prefill(cfg, T, S, args)
+            passes["torch_dense_causal_sdpa"] = _torch_prefill(cfg, T, S, args)
             rec["flops"]["dense_causal_attention"] = (
                 4 * cfg.num_attention_heads * cfg.head_dim * (S * P + S * (S + 1) // 2)
             )
         else:
             rec["skipped"] = {"torch_dense_causal_sdpa": "torch with CUDA is not importable here"}
+        t = rec["timings"]
+        t.update(time_in_turns(passes, args.warmup, args.repeats, args.settle))
+        for name, names in consumers.items():
+            t[name]["consumers"] = names
+        if "torch_dense_causal_sdpa" in t:
+            t["torch_dense_causal_sdpa"]["note"] = (
+                "K/V expanded to 24 heads; lower-right causal mask"
+            )
+        del sets, passes
         points.append(rec)
         _progress_prefill(rec)
     body: dict[str, Any] = {"matmul_ceiling": matmul_ceiling(args.ceiling_n), "points": points}
@@ -621,11 +667,12 @@ def prefill_kv_bytes(cfg: QSAConfig, P: int, S: int) -> int:
 
 
 def prefill_components(
-    cfg: QSAConfig, sets: list[DecodeSet], impl: str, args: argparse.Namespace
-) -> tuple[dict[str, dict[str, Any]], tuple[Selection, mx.array]]:
+    cfg: QSAConfig, sets: list[DecodeSet], impl: str
+) -> tuple[dict[str, Callable[[], float]], list[str], tuple[Selection, mx.array]]:
     """Selection (scoring + exact top-k, RUNTIME §6.3 chunks) and attention (the routed
-    prefill consumer) of the chunk's rows, timed apart and together; also set 0's selection
-    and output (for the CUDA-against-portable checks)."""
+    prefill consumer) of the chunk's rows, as passes to time apart and together; the
+    attention's consumers; set 0's selection and output (for the CUDA-against-portable
+    checks)."""
     r, K = cfg.indexer_compress_ratio, cfg.block_topk
     caps = plan.Capabilities.reference()
     S, P = sets[0].rows, sets[0].T - sets[0].rows
@@ -659,14 +706,13 @@ def prefill_components(
 
     sels = [select(s) for s in sets]
     mx.eval([(x.ids, x.valid) for x in sels])
-    n, w, k = len(sets), args.warmup, args.repeats
-    out = {
-        "selection": time_mlx(lambda i: select(sets[i]).ids, n, w, k),
-        "attention": time_mlx(lambda i: attend(sets[i], sels[i]), n, w, k),
-        "selection_attention": time_mlx(lambda i: attend(sets[i], select(sets[i])), n, w, k),
+    n = len(sets)
+    passes = {
+        "selection": mlx_pass(lambda i: select(sets[i]).ids, n),
+        "attention": mlx_pass(lambda i: attend(sets[i], sels[i]), n),
+        "selection_attention": mlx_pass(lambda i: attend(sets[i], select(sets[i])), n),
     }
-    out["attention"]["consumers"] = list(cplan.consumers)
-    return out, (sels[0], attend(sets[0], sels[0]))
+    return passes, list(cplan.consumers), (sels[0], attend(sets[0], sels[0]))
 
 
 def prefill_checks(
@@ -695,7 +741,8 @@ def matmul_ceiling(n: int, repeats: int = 5) -> dict[str, Any]:
     return {"n": n, "tflops": 2 * n**3 / best / 1e12}
 
 
-def _torch_prefill(cfg: QSAConfig, T: int, S: int, args: argparse.Namespace) -> dict[str, Any]:
+def _torch_prefill(cfg: QSAConfig, T: int, S: int, args: argparse.Namespace) -> Callable[[], float]:
+    """torch's dense causal SDPA over the chunk's context, as a pass over its own sets."""
     import torch
     from torch.nn.attention.bias import causal_lower_right
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -716,9 +763,7 @@ def _torch_prefill(cfg: QSAConfig, T: int, S: int, args: argparse.Namespace) -> 
         q, k, v = sets[i]
         return sdpa(q, k, v, attn_mask=mask, scale=cfg.scale)
 
-    out = time_torch(step, args.sets, args.warmup, args.repeats)
-    out["note"] = "K/V expanded to 24 heads; lower-right causal mask"
-    return out
+    return torch_pass(step, args.sets)
 
 
 def prefill_rates(doc_body: dict[str, Any]) -> None:
@@ -858,6 +903,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sets", type=int, default=8, help="rotated buffer sets (>= 8 defeats L2)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="seconds of untimed rounds of all entries, after the warm-up, before any sample "
+        "is timed (the GPU's clocks settle under the mix; default 1)",
+    )
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
     p.add_argument(
         "--ceiling-n", type=int, default=None, help="matmul size of the ceiling (prefill)"
@@ -889,8 +941,8 @@ def run(args: argparse.Namespace) -> int:
         args.contexts = DEFAULT_CONTEXTS if args.mode == "decode" else PREFILL_CONTEXTS
     if args.ceiling_n is None:
         args.ceiling_n = 8192 if backend_name() == "cuda" else 1024
-    if args.sets < 1 or args.repeats < 1 or args.warmup < 0:
-        raise SystemExit("bench: --sets and --repeats must be >= 1, --warmup >= 0")
+    if args.sets < 1 or args.repeats < 1 or args.warmup < 0 or not args.settle >= 0:
+        raise SystemExit("bench: --sets and --repeats must be >= 1, --warmup and --settle >= 0")
     backend = backend_name()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if args.tp is not None and len(args.tp) > 1:
@@ -904,7 +956,8 @@ def run(args: argparse.Namespace) -> int:
         args.tp = args.tp[0]
         body = run_tp(args)
     else:
-        body = run_decode(args) if args.mode == "decode" else run_prefill(args)
+        body = {"timing": timing_doc(args)}
+        body |= run_decode(args) if args.mode == "decode" else run_prefill(args)
         if args.mode == "prefill":
             prefill_rates(body)
     env = environment(backend)

@@ -39,6 +39,7 @@ from importlib import metadata  # noqa: E402
 from typing import Any  # noqa: E402
 
 from mlx_qsa.kernels.gemm import FAMILIES, plan_gemm  # noqa: E402  (imports no MLX)
+from mlx_qsa.turns import take_turns  # noqa: E402
 
 # operator -> (N, K) (SWEEP.md §1)
 OPERATORS: dict[str, tuple[int, int]] = {
@@ -448,14 +449,11 @@ def time_steady(
     each sample is one call + `mx.eval` + synchronize, as the schema's (`time_calls`):
     `sweep --paired`.
 
-    All entries take turns, round by round, and so do `peers` (name -> a function running one
-    round of that many calls of a peer and returning its own measure of it, e.g. torch's CUDA
-    events): back-to-back GEMMs of the qkv size hold the lent GPUs at their 700 W power cap,
-    where the SM clock sits near 1600 MHz instead of 1980, and a short burst after lighter
-    load runs faster than the same calls in a long phase; timed one entry after another, the
-    ratios depend on the order (torch timed alone came out 12–15 % faster than in turns with
-    the MLX entries, BENCHMARKS.md). After one untimed round of each, untimed rounds go on until
-    `settle_s` seconds have passed, so the clocks have settled before any round is timed.
+    All entries take turns, round by round (`turns.take_turns` says why), and so do `peers`
+    (name -> a function running one round of that many calls of a peer and returning its own
+    measure of it, e.g. torch's CUDA events). After one untimed round of each, untimed rounds
+    go on until `settle_s` seconds have passed, so the clocks have settled before any round is
+    timed.
     """
     import mlx.core as mx
 
@@ -471,17 +469,7 @@ def time_steady(
 
     entries = {name: functools.partial(mlx_round, fn) for name, fn in calls.items()}
     entries |= {name: functools.partial(fn, per_round) for name, fn in (peers or {}).items()}
-    settled = time.perf_counter() + settle_s
-    while True:  # warm: one round each, then more until the clocks have had settle_s
-        for one_round in entries.values():
-            one_round()
-        if time.perf_counter() >= settled:
-            break
-    out: dict[str, list[Any]] = {name: [] for name in entries}
-    for _ in range(rounds):
-        for name, one_round in entries.items():
-            out[name].append(one_round())
-    return out
+    return take_turns(entries, rounds, warm_rounds=1, settle_s=settle_s)
 
 
 def _to_numpy(a):
