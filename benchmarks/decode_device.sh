@@ -15,7 +15,9 @@
 # ncuprefill: Nsight Compute sections of the prefill kernels (NCU_PREFIXES, default 32768 131072)
 # tp1:     bench --tp 1 through mlx.launch --backend nccl (a group of one on this GPU)
 # decodeab: the 128K decode point three times in a row (run-to-run spread), distinct files
-# Everything goes under $OUT.
+# Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
+# clocks, power and throttle reasons every 200 ms into smi.csv. TAR=1 packs $OUT into one file
+# (the device returns at most 8 a call).
 set -uo pipefail
 OUT="${OUT:-/tmp/qsa-out}"
 mkdir -p "$OUT"
@@ -24,12 +26,22 @@ export PYTHONUNBUFFERED=1
 date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$OUT/when.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv \
   | tee "$OUT/gpu.txt"
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
+  *H200*) GPU_TAG=h200 ;;
+  *H100*) GPU_TAG=h100 ;;
+  *) GPU_TAG=gpu ;;
+esac
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv -lms 200 > "$OUT/smi.csv" 2>/dev/null &
+smi=$!
 rc=0
 for what in "$@"; do
   case "$what" in
     tests)
       timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
-        tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_layer.py tests/test_bench.py 2>&1 \
+        tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_layer.py \
+        tests/test_cuda_rope.py tests/test_cuda_rms_norm.py tests/test_gemm_cuda.py \
+        tests/test_bench.py tests/test_turns.py 2>&1 \
         | tee "$OUT/tests.log" | tail -40
       rc=$((rc | PIPESTATUS[0])) ;;
     ptests)
@@ -55,7 +67,8 @@ print("hash-group failures:", trace.check_hash_groups(ours) or "none")
 PY
       ;;
     bench)
-      timeout 560 python3 -m mlx_qsa bench decode --out "$OUT/decode_h200.json" 2>&1 \
+      timeout 560 python3 -m mlx_qsa bench decode --sets 8 --repeats 5 \
+        --out "$OUT/decode_$GPU_TAG.json" --png "$OUT/decode_$GPU_TAG.png" 2>&1 \
         | tee "$OUT/decode_run.log"
       rc=$((rc | PIPESTATUS[0])) ;;
     overhead)
@@ -108,9 +121,13 @@ PY
           --out "$OUT/decode_128k_rep$i.json" 2>&1 | tee -a "$OUT/decodeab.log" | tail -3
       done ;;
     prefill)
-      timeout 560 python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 --png "$OUT/prefill_h200.png" \
-        --out "$OUT/prefill_h200.json" 2>&1 | tee "$OUT/prefill_run.log"
+      timeout 560 python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 --png "$OUT/prefill_$GPU_TAG.png" \
+        --out "$OUT/prefill_$GPU_TAG.json" 2>&1 | tee "$OUT/prefill_run.log"
       rc=$((rc | PIPESTATUS[0])) ;;
   esac
 done
+kill "$smi" 2>/dev/null
+if [ -n "${TAR:-}" ]; then
+  tar -C "$(dirname "$OUT")" -cJf "$OUT.tar.xz" "$(basename "$OUT")" && rm -rf "$OUT"
+fi
 exit $rc
