@@ -148,7 +148,16 @@ def test_prefill_document(tmp_path, monkeypatch) -> None:
     assert r["kv_gbps"] == pytest.approx(
         p["attention_kv_bytes"] / t["qsa_portable_attention"]["median_us"] / 1e3
     )
-    assert "copy_bandwidth" not in doc and "kv_of_copy" not in r
+    both = p["rates"]["qsa_portable_selection_attention"]  # the indexer's work and the attention's
+    assert both["tflops"] == pytest.approx(
+        (p["flops"]["indexer"] + toks * 4 * 24 * 256)
+        / t["qsa_portable_selection_attention"]["median_us"]
+        / 1e6
+    )
+    if mx.cuda.is_available():  # the attention's bytes against a plain copy's in the same run
+        assert r["kv_of_copy"] == pytest.approx(r["kv_gbps"] / doc["copy_bandwidth"]["gbps"])
+    else:
+        assert "copy_bandwidth" not in doc and "kv_of_copy" not in r
 
 
 def test_tp_needs_a_matching_group() -> None:
@@ -171,6 +180,46 @@ def test_mlx_pass_evaluates_each_step_or_queues_them(monkeypatch) -> None:
     log.clear()
     bench.mlx_pass(step, 2, sync_each=False)()
     assert log == ["sync", 0, "async_eval", 1, "async_eval", "sync"]  # queued, one sync
+
+
+def test_torch_pass_enters_its_context_once_a_pass_outside_the_timing(monkeypatch) -> None:
+    import contextlib
+    import time
+    import types
+
+    log: list = []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            self.t = 0.0
+
+        def record(self) -> None:
+            log.append("record")
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end) -> float:
+            return (end.t - self.t) * 1e3
+
+    fake = types.ModuleType("torch")  # this machine has no torch: enough of it for torch_pass
+    fake.cuda = types.SimpleNamespace(synchronize=lambda: log.append("sync"), Event=Event)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+
+    @contextlib.contextmanager
+    def pinned():
+        log.append("enter")
+        yield
+        log.append("exit")
+
+    queued = bench.torch_pass(log.append, 2, around=pinned)
+    assert queued() >= 0 and queued() >= 0
+    one = ["enter", "sync", "record", 0, 1, "record", "sync", "exit"]
+    assert log == one * 2  # the context once a pass, its cost before the first event
+    log.clear()
+    assert bench.torch_pass(log.append, 2, sync_each=True, around=pinned)() >= 0
+    assert log == ["enter", "sync", 0, "sync", 1, "sync", "exit"]
+    log.clear()
+    bench.torch_pass(log.append, 1)()  # no context
+    assert log == ["sync", "record", 0, "record", "sync"]
 
 
 def test_argument_errors() -> None:

@@ -28,6 +28,7 @@ checked against the unsharded layer on every rank, and the `all_sum` of the outp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -37,6 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -98,14 +100,21 @@ def mlx_pass(
 
 
 def torch_pass(
-    step: Callable[[int], Any], n_sets: int, sync_each: bool = False
+    step: Callable[[int], Any],
+    n_sets: int,
+    sync_each: bool = False,
+    around: Callable[[], AbstractContextManager] | None = None,
 ) -> Callable[[], float]:
     """One sample of a torch entry, µs per step: CUDA events around the queued pass, or
     (`sync_each`) wall clock with `torch.cuda.synchronize()` after every step, as `mlx_pass`
-    times one `mx.eval` per step."""
+    times one `mx.eval` per step. `around()` is a context entered for the pass, untimed."""
     import torch
 
     def one_pass() -> float:
+        with around() if around is not None else contextlib.nullcontext():
+            return timed_pass()
+
+    def timed_pass() -> float:
         torch.cuda.synchronize()
         if sync_each:
             t0 = time.perf_counter()
@@ -361,11 +370,9 @@ class TorchDense:
 
     def _call(self, i: int, backend) -> Any:
         from torch.nn.attention import sdpa_kernel
-        from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-        q, k, v = self.sets[i]
         with sdpa_kernel([backend]):
-            return sdpa(q, k, v, scale=self.scale, enable_gqa=True)
+            return self.step(i)
 
     def _pick_backend(self) -> tuple[Any, str]:
         from torch.nn.attention import SDPBackend
@@ -384,8 +391,19 @@ class TorchDense:
                 errors.append(f"{b.name}: {str(e).splitlines()[0][:120]}")
         raise RuntimeError("torch SDPA: no backend ran: " + "; ".join(errors))
 
+    def pinned(self) -> Any:
+        """A context in which `step` runs on the picked backend: entered once per pass, as an
+        engine would, not once per step (its flag updates were host time in every step)."""
+        from torch.nn.attention import sdpa_kernel
+
+        return sdpa_kernel([self.backend])
+
     def step(self, i: int) -> Any:
-        return self._call(i, self.backend)
+        """One step; inside `pinned()`."""
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        q, k, v = self.sets[i]
+        return sdpa(q, k, v, scale=self.scale, enable_gqa=True)
 
 
 # ---- decode bench -------------------------------------------------------------------------------
@@ -503,8 +521,10 @@ def bench_decode_point(
     peer = None
     if torch is not None:
         peer = TorchDense(cfg, T, rows, n, seed=T + rows)
-        passes["torch_dense_sdpa"] = torch_pass(peer.step, n)
-        passes["torch_dense_sdpa_sync"] = torch_pass(peer.step, n, sync_each=True)
+        passes["torch_dense_sdpa"] = torch_pass(peer.step, n, around=peer.pinned)
+        passes["torch_dense_sdpa_sync"] = torch_pass(
+            peer.step, n, sync_each=True, around=peer.pinned
+        )
     else:
         rec["skipped"] = {"torch_dense_sdpa": "torch with CUDA is not importable here"}
     t = rec["timings"]
@@ -775,10 +795,10 @@ def prefill_rates(doc_body: dict[str, Any]) -> None:
         for name, t in p["timings"].items():
             if name.endswith("_selection"):
                 flops = f["indexer"]
+            elif name.endswith("_selection_attention"):  # before "_attention", which it ends in
+                flops = f["indexer"] + f["sparse_attention"]
             elif name.endswith("_attention"):
                 flops = f["sparse_attention"]
-            elif name.endswith("_selection_attention"):
-                flops = f["indexer"] + f["sparse_attention"]
             elif name == "torch_dense_causal_sdpa":
                 flops = f["dense_causal_attention"]
             else:
