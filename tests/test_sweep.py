@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -781,8 +782,12 @@ def test_kernel_text_names_the_plans_wgmma_wrapper():
         header, _ = kernel_text(plan)
         define = f"QSA_WGMMA qsa_wgmma_n{n}" if n else "QSA_WGMMA(d, da, db)"
         assert header.startswith(f"#define {define}\n")
-        if n:
-            assert f"void qsa_wgmma_n{n}(" in included_text(header), (tile, family)
+        if n:  # gemm.cuh defines qsa_wgmma_n<N> through its wrapper macro
+            assert f"\nQSA_WGMMA_WRAPPER({n}," in included_text(header), (tile, family)
+    # and one wrapper for every N extent a plan may have, no more
+    text = included_text(kernel_text(plan_gemm((128, 128, 64), 4, 8, family="wgmma"))[0])
+    wrapped = {int(m) for m in re.findall(r"^QSA_WGMMA_WRAPPER\((\d+),", text, re.M)}
+    assert wrapped == set(gemm.TMA_WGMMA_N)
 
 
 def test_tensor_maps_made_once_per_geometry(monkeypatch):
