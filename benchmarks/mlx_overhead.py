@@ -1,7 +1,9 @@
 """Host cost of MLX primitives on this device: µs per `mx.eval` of a chain of n small ops.
 
 Usage: python3 benchmarks/mlx_overhead.py OUT.json   (run once with MLX_USE_CUDA_GRAPHS=1 and
-once with 0 to compare). The slope over n is the per-primitive cost a decode step pays.
+once with 0 to compare). The slope over n is the per-primitive cost a decode step pays: for an
+elementwise op (`x + 1`, a kernel launch each), and for views (transposes, slices: no kernel,
+only MLX's graph and evaluation work), which are 22 of the CUDA layer step's 49 primitives.
 """
 
 from __future__ import annotations
@@ -21,16 +23,29 @@ def chain(x: mx.array, n: int) -> mx.array:
     return x
 
 
-def per_eval_us(n: int, reps: int = 200) -> float:
+def transposes(x: mx.array, n: int) -> mx.array:
+    y = x.reshape(16, 16)
+    for _ in range(n):
+        y = y.T
+    return y.reshape(256) + 1  # one kernel at the end, as a view feeds a kernel in a step
+
+
+def slices(x: mx.array, n: int) -> mx.array:
+    for _ in range(n):
+        x = x[1:]
+    return x + 1
+
+
+def per_eval_us(n: int, reps: int = 200, build=chain) -> float:
     x = mx.zeros((256,), mx.float32)
     mx.eval(x)
     for _ in range(20):
-        mx.eval(chain(x, n))
+        mx.eval(build(x, n))
     samples = []
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(reps):
-            mx.eval(chain(x, n))
+            mx.eval(build(x, n))
         mx.synchronize()
         samples.append((time.perf_counter() - t0) / reps * 1e6)
     return statistics.median(samples)
@@ -89,14 +104,15 @@ def kernel_costs() -> dict[str, float]:
 
 
 def main() -> None:
-    rows = {n: per_eval_us(n) for n in (1, 2, 4, 8, 16, 32)}
-    slope = (rows[32] - rows[4]) / 28
-    doc = {
+    ns = (1, 2, 4, 8, 16, 32)
+    doc: dict = {
         "MLX_USE_CUDA_GRAPHS": os.environ.get("MLX_USE_CUDA_GRAPHS", ""),
         "device": str(mx.default_device()),
-        "us_per_eval_by_ops": rows,
-        "us_per_primitive": slope,
     }
+    for name, build in (("ops", chain), ("transposes", transposes), ("slices", slices)):
+        rows = {n: per_eval_us(n, build=build) for n in ns}
+        doc[f"us_per_eval_by_{name}"] = rows
+        doc[f"us_per_{'primitive' if name == 'ops' else name[:-1]}"] = (rows[32] - rows[4]) / 28
     if mx.cuda.is_available():
         doc["us_per_eval_single_call"] = kernel_costs()
     print(json.dumps(doc))
