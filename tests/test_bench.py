@@ -25,26 +25,32 @@ def _args(*argv: str) -> argparse.Namespace:
     return build_parser("bench").parse_args(["bench", *argv])
 
 
-def _spy_turns(monkeypatch) -> list[tuple[list[str], int, int, float]]:
-    """Each `take_turns` call of the bench: (entry names, rounds, warm rounds, settle)."""
+@pytest.fixture
+def turns(monkeypatch):
+    """Each `take_turns` call of the bench's points: (entry names, rounds, warm rounds, settle);
+    the host calibration's two calls (before and after) are checked and left out."""
     calls = []
     real = bench.take_turns
 
     def spy(entries, rounds, warm_rounds=1, settle_s=0.0):
-        calls.append((list(entries), rounds, warm_rounds, settle_s))
+        if "mlx_eval_one_op_us" in entries:
+            calibrations.append(list(entries))
+        else:
+            calls.append((list(entries), rounds, warm_rounds, settle_s))
         return real(entries, rounds, warm_rounds, settle_s)
 
+    calibrations: list[list[str]] = []
     monkeypatch.setattr(bench, "take_turns", spy)
-    return calls
+    yield calls
+    assert len(calibrations) == 2 and calibrations[0][0] == "mlx_eval_one_op_us"
 
 
-def test_decode_document(tmp_path, monkeypatch) -> None:
+def test_decode_document(tmp_path, turns) -> None:
     out = tmp_path / "d.json"
     args = _args(
         "decode", "--contexts", "3k", "--rows", "1,3", "--sets", "2", "--repeats", "2",
         "--warmup", "1", "--settle", "0.05", "--copy-bytes", "8000000", "--out", str(out),
     )  # fmt: skip
-    turns = _spy_turns(monkeypatch)
     assert bench.run(args) == 0
     doc = json.loads(out.read_text())
     # every entry of a point in one rotation, after the warm-up passes and the settle time
@@ -60,6 +66,10 @@ def test_decode_document(tmp_path, monkeypatch) -> None:
     assert len(turns) == 2  # one per point
     timing = doc["timing"]
     assert timing["order"].startswith("in turns") and timing["settle_s"] == 0.05
+    for when in ("before", "after"):  # the host's speed at trivial work, around the run
+        calib = doc["host_calibration"][when]
+        assert calib["mlx_eval_one_op_us"] > 0
+        assert ("torch_one_op_sync_us" in calib) == (bench._torch_cuda() is not None)
     assert (timing["warmup_passes"], timing["samples"]) == (1, 2)
     assert doc["bench"] == "decode" and doc["command"].startswith("mlx-qsa bench")
     assert doc["geometry"]["num_attention_heads"] == 24 and doc["geometry"]["head_dim"] == 256
@@ -109,13 +119,12 @@ def test_decode_document(tmp_path, monkeypatch) -> None:
     assert doc["bandwidth"]["gbps"] > 0
 
 
-def test_prefill_document(tmp_path, monkeypatch) -> None:
+def test_prefill_document(tmp_path, turns) -> None:
     out = tmp_path / "p.json"
     args = _args(
         "prefill", "--contexts", "2048", "--chunk", "64", "--sets", "1", "--repeats", "1",
         "--warmup", "1", "--settle", "0", "--ceiling-n", "256", "--out", str(out),
     )  # fmt: skip
-    turns = _spy_turns(monkeypatch)
     assert bench.run(args) == 0
     doc = json.loads(out.read_text())
     (p,) = doc["points"]

@@ -143,6 +143,23 @@ def time_in_turns(
     return {name: summary(v) for name, v in samples.items()}
 
 
+def host_calibration(repeats: int = 5, steps: int = 100) -> dict[str, float]:
+    """µs per step of trivial work with a host round trip each, medians: MLX's `mx.eval` of one
+    small op, and on CUDA torch's one small op + `torch.cuda.synchronize()`, in turns.
+
+    Lent machines with the same GPU have hosts that run MLX's host-bound work up to 2× apart
+    (BENCHMARKS.md, twelfth session); a run's host-bound figures compare with another run's only
+    beside these."""
+    x = mx.zeros((256,), mx.float32)
+    mx.eval(x)
+    passes = {"mlx_eval_one_op_us": mlx_pass(lambda i: x + 1, steps)}
+    torch = _torch_cuda()
+    if torch is not None:
+        t = torch.zeros(256, device="cuda")
+        passes["torch_one_op_sync_us"] = torch_pass(lambda i: t + 1, steps, sync_each=True)
+    return {k: v["median_us"] for k, v in time_in_turns(passes, 1, repeats).items()}
+
+
 def timing_doc(args: argparse.Namespace) -> dict[str, Any]:
     """How a point's entries were timed, for the JSON."""
     return {
@@ -977,7 +994,9 @@ def run(args: argparse.Namespace) -> int:
         body = run_tp(args)
     else:
         body = {"timing": timing_doc(args)}
+        before = host_calibration()
         body |= run_decode(args) if args.mode == "decode" else run_prefill(args)
+        body["host_calibration"] = {"before": before, "after": host_calibration()}
         if args.mode == "prefill":
             prefill_rates(body)
     env = environment(backend)
