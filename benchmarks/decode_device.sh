@@ -2,6 +2,7 @@
 # Issue 5 on the lent GPU, after MLX's CUDA build is staged (../shared/device/README.md):
 #   source .device/part-b/activate.sh && bash benchmarks/decode_device.sh tests|trace|bench|prefill
 # tests:   CUDA kernel and layer tests, the bench tests (GPU columns included)
+# gemmtests: the custom GEMM's tests and the sweep's (a call of their own)
 # ptests:  the prefill kernel tests and the CUDA layer tests only
 # ktests:  the prefill kernel tests and the CUDA layer's prefill tests
 # trace:   `mlx-qsa trace` on the GPU, compared field by field with the M5 Pro fixture
@@ -40,9 +41,14 @@ for what in "$@"; do
     tests)
       timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_layer.py \
-        tests/test_cuda_rope.py tests/test_cuda_rms_norm.py tests/test_gemm_cuda.py \
-        tests/test_bench.py tests/test_turns.py 2>&1 \
+        tests/test_cuda_rope.py tests/test_cuda_rms_norm.py tests/test_bench.py \
+        tests/test_turns.py 2>&1 \
         | tee "$OUT/tests.log" | tail -40
+      rc=$((rc | PIPESTATUS[0])) ;;
+    gemmtests)  # the GEMM families' tests (~170 s on an H200): `tests` and these do not fit
+                # one 600 s call together
+      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+        tests/test_gemm_cuda.py tests/test_sweep.py 2>&1 | tee "$OUT/gemmtests.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     ptests)
       timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
