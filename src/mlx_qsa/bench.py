@@ -58,7 +58,7 @@ from .indexer import (
 )
 from .layer import QSAAttention
 from .rope import text_positions, text_rope
-from .sweep import backend_name, environment
+from .sweep import _arg, _non_negative_seconds, backend_name, environment
 from .turns import take_turns
 
 DEFAULT_CONTEXTS = (8192, 32768, 131072, 262144)
@@ -942,7 +942,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument(
         "--settle",
-        type=float,
+        type=_arg(_non_negative_seconds),  # sweep --settle's rule: finite, >= 0
         default=1.0,
         help="seconds of untimed rounds of all entries, after the warm-up, before any sample "
         "is timed (the GPU's clocks settle under the mix; default 1)",
@@ -978,8 +978,8 @@ def run(args: argparse.Namespace) -> int:
         args.contexts = DEFAULT_CONTEXTS if args.mode == "decode" else PREFILL_CONTEXTS
     if args.ceiling_n is None:
         args.ceiling_n = 8192 if backend_name() == "cuda" else 1024
-    if args.sets < 1 or args.repeats < 1 or args.warmup < 0 or not args.settle >= 0:
-        raise SystemExit("bench: --sets and --repeats must be >= 1, --warmup and --settle >= 0")
+    if args.sets < 1 or args.repeats < 1 or args.warmup < 0:
+        raise SystemExit("bench: --sets and --repeats must be >= 1, --warmup >= 0")
     backend = backend_name()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if args.tp is not None and len(args.tp) > 1:
