@@ -16,6 +16,7 @@
 # ncuprefill: Nsight Compute sections of the prefill kernels (NCU_PREFIXES, default 32768 131072)
 # tp1:     bench --tp 1 through mlx.launch --backend nccl (a group of one on this GPU)
 # decodeab: the 128K decode point three times in a row (run-to-run spread), distinct files
+# gate:    the fused output gate's GPU tests and the layer-step A/B (benchmarks/gate_ab.py)
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
 # clocks, power and throttle reasons every 200 ms into smi.csv. TAR=1 packs $OUT into one file
 # (the device returns at most 8 a call).
@@ -120,6 +121,12 @@ PY
         --backend nccl -n 1 --env NCCL_NVLS_ENABLE=0 --env "PYTHONPATH=$PYTHONPATH" -- \
         python3 -m mlx_qsa bench decode --tp 1 --contexts 32k,128k --rows 1 --out "$OUT/tp1_nccl_decode.json" \
         2>&1 | tee "$OUT/tp1_nccl.log"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    gate)  # the fused output gate: its kernel and layer tests, then the layer-step A/B
+      timeout 300 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_decode.py \
+        tests/test_cuda_layer.py -k "gate" 2>&1 | tee "$OUT/gate_tests.log" | tail -8
+      rc=$((rc | PIPESTATUS[0]))
+      timeout 240 python3 benchmarks/gate_ab.py "$OUT/gate_ab_$GPU_TAG.json" 2>&1 | tee "$OUT/gate_ab.log"
       rc=$((rc | PIPESTATUS[0])) ;;
     decodeab)
       for i in 1 2 3; do

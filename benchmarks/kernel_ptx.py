@@ -8,6 +8,10 @@ outputs compared line by line show whether a source change altered any kernel's 
 
 Each kernel's line also gives ptxas's registers and static shared memory (sm_90a), the figure
 `device.STATIC_SMEM_BOUND` must stay above.
+
+The kernels built with the fused output gate (`*_gate`) include MLX's own device headers
+(gate.cuh); they are compiled behind MLX's real prelude when `QSA_MLX_INCLUDE` names a directory
+holding `mlx/backend/cuda/device/` (an MLX source tree), and skipped otherwise.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ ROWS = [("slots", "int32_t"), ("slot_valid", "bool")]
 SEL_T = [("HI", 4), ("RATIO", 4), ("L", 8)]
 TOPK_T = [("K", 512), ("CAP", 4096)]
 FUSED = "#define QSA_FUSED\n"
+GATE = "#define QSA_GATE\n"
+# MLX's own prelude of a cuda_kernel (mlx/backend/cuda/custom_kernel.cpp), for the gated kernels
+_MLX_PRE = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
 _PTXAS_USE = r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?"
 ROWS_IN = [("q", BF), ("keys", BF), ("values", BF), ("slots", "int32_t"), ("slot_valid", "bool"),
            ("ctr", "int32_t")]  # fmt: skip
@@ -86,6 +93,23 @@ JOBS = {
         "rows_gather.cu", "partial", ROWS_IN, FUSED_OUT,
         [("D", 64), ("G", 3), ("TOK", 32), ("HKV", 2), ("W", 70), ("NSPLIT", 3),
          ("SCALE_BITS", 1031798784), ("NT", 256)], FUSED,
+    ),
+    "flash_gate": (
+        "flash_decode.cu", "partial",
+        [("q", BF), ("keys", BF), ("values", BF), ("block_ids", "int32_t"),
+         ("block_valid", "bool"), ("tlen", "int32_t"), ("gate", BF), ("ctr", "int32_t")],
+        [("part_o", "float"), ("part_ml", "float"), ("out", BF)],
+        [("D", 256), ("G", 12), ("TOK", 32), ("RATIO", 4), ("K", 512), ("NSPLIT", 65),
+         ("SCALE_BITS", 1031798784), ("NT", 256), ("TOFF", 1)], FUSED + GATE,
+    ),
+    "flash_merge_gate": (
+        "split_k_merge.cu", "merge", [("part_o", "float"), ("part_ml", "float"), ("gate", BF)],
+        [("out", BF)], [("D", 256), ("NSPLIT", 65), ("NT", 256)], GATE,
+    ),
+    "rows_gate": (
+        "rows_gather.cu", "partial", ROWS_IN[:-1] + [("gate", BF), ("ctr", "int32_t")], FUSED_OUT,
+        [("D", 256), ("G", 12), ("TOK", 64), ("HKV", 2), ("W", 2052), ("NSPLIT", 33),
+         ("SCALE_BITS", 1031798784), ("NT", 256)], FUSED + GATE,
     ),
     "prefill_score": (
         "prefill_score.cu", "score", SEL_IN, SEL_OUT, [("RATIO", 4), ("L", 8), ("GB", 4)], "",
@@ -140,8 +164,9 @@ def source(filename, section, inputs, outputs, template, prefix) -> str:
     # the launchers' declarations (`_launch.constants`); a type name stands for its dtype
     types = {v: k for k, v in _CUDA_TYPES.items()}
     consts = constants(tuple((k, types[v] if isinstance(v, str) else v) for k, v in template))
+    pre = _MLX_PRE if GATE in prefix else _PRE
     return (
-        _PRE + header_for(body) + "namespace mlx::core::cu {\n__global__ void kernel("
+        pre + header_for(body) + "namespace mlx::core::cu {\n__global__ void kernel("
         + ", ".join(params) + ") {\n" + consts + body + "\n}\n}\n"
     )  # fmt: skip
 
@@ -149,12 +174,19 @@ def source(filename, section, inputs, outputs, template, prefix) -> str:
 def main() -> None:
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
+    mlx_inc = os.environ.get("QSA_MLX_INCLUDE")
     for name, job in JOBS.items():
+        inc = []
+        if GATE in job[-1]:
+            if not mlx_inc:
+                print(f"{name}: skipped (QSA_MLX_INCLUDE unset: MLX's device headers)")
+                continue
+            inc = [f"-I{mlx_inc}"]
         cu, ptx = f"{out}/{name}.cu", f"{out}/{name}.ptx"
         with open(cu, "w") as f:
             f.write(source(*job))
         r = subprocess.run(
-            ["nvcc", "-arch=sm_90a", "-std=c++17", "-ptx", "-o", ptx, cu],
+            ["nvcc", "-arch=sm_90a", "-std=c++17", "-ptx", *inc, "-o", ptx, cu],
             capture_output=True, text=True,
         )  # fmt: skip
         if r.returncode:

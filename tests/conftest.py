@@ -171,9 +171,11 @@ def spy(monkeypatch) -> list[Seen]:
     seen: list[Seen] = []
     real = layer_mod.dispatch
 
-    def recording(cplan, q, keys, values, sel, positions, T, ratio, scale, impl="portable"):
+    def recording(
+        cplan, q, keys, values, sel, positions, T, ratio, scale, impl="portable", gate=None
+    ):
         seen.append(Seen(cplan.consumers, cplan.sdpa_mask, sel, np.array(positions), T, impl))
-        return real(cplan, q, keys, values, sel, positions, T, ratio, scale, impl)
+        return real(cplan, q, keys, values, sel, positions, T, ratio, scale, impl, gate=gate)
 
     monkeypatch.setattr(layer_mod, "dispatch", recording)
     return seen

@@ -260,6 +260,27 @@ def test_validation_errors():
         )
 
 
+def test_gate_argument_errors_name_the_gate():
+    """A fused gate of the wrong shape or dtype is refused before anything else (on any device),
+    naming the argument and what was expected."""
+    kv = bf16(np.zeros((1, 2, 64, 64)))
+    ids, ok = mx.zeros((4,), mx.int32), mx.zeros((4,), mx.bool_)
+    pos = mx.array([20], mx.int32)
+    q1 = bf16(np.zeros((1, 4, 1, 64)))
+    with pytest.raises(ValueError, match=r"gate must be \[1, S, H, d\] = \[1, 1, 4, 64\]"):
+        flash_decode_cuda(
+            q1, kv, kv, ids, ok, pos=pos, scale=0.1, gate=bf16(np.zeros((1, 4, 1, 64)))
+        )
+    with pytest.raises(ValueError, match="gate must have q's dtype"):
+        flash_decode_cuda(
+            q1, kv, kv, ids, ok, pos=pos, scale=0.1, gate=mx.zeros((1, 1, 4, 64), mx.float32)
+        )
+    q3 = bf16(np.zeros((1, 4, 3, 64)))
+    slots, sv = mx.zeros((3, 8), mx.int32), mx.zeros((3, 8), mx.bool_)
+    with pytest.raises(ValueError, match=r"gate must be \[1, S, H, d\] = \[1, 3, 4, 64\]"):
+        rows_gather_cuda(q3, kv, kv, slots, sv, scale=0.1, gate=bf16(np.zeros((1, 4, 3, 64))))
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only error")
 def test_cuda_launchers_need_cuda():
     q = bf16(np.zeros((1, 4, 128)))
@@ -627,3 +648,70 @@ def test_rows_gather_one_launch_matches_two_launches(rows):
         one = rows_gather_cuda(qs, km, vm, sl, sv, scale=1 / 16, one_launch=True)
         np.testing.assert_array_equal(to_np(one), to_np(two))
     assert not to_np(two)[0, :, -1].any()
+
+
+def gate_logits(rng, rows: int, H: int = 24, d: int = 256, strided: bool = True) -> mx.array:
+    """Output-gate logits [1, S, H, d] bf16: as the layer makes them (a strided view of q_proj's
+    rows, query and gate halves interleaved per head) or contiguous. Wide values, with zeros,
+    saturating magnitudes and both signs, so every branch of the sigmoid is exercised."""
+    g = rng.standard_normal((1, rows, H, d), dtype=F32) * 4
+    g.reshape(-1)[::97] = 0.0
+    g.reshape(-1)[1::89] = 40.0
+    g.reshape(-1)[2::83] = -40.0
+    if not strided:
+        return bf16(g)
+    lin = np.concatenate([rng.standard_normal((1, rows, H, 1, d), dtype=F32), g[:, :, :, None]], 3)
+    return mx.split(bf16(lin), 2, axis=3)[1].squeeze(3)
+
+
+def bits(a: mx.array) -> np.ndarray:
+    return np.array(a.view(mx.uint16))
+
+
+@needs_cuda
+@pytest.mark.parametrize("strided", [True, False], ids=["view", "contiguous"])
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one", "two"])
+@pytest.mark.parametrize("T", [37, 2052, 131072])
+def test_flash_gate_fused_is_mlx_sigmoid_times_output(T, one_launch, strided):
+    """The gate fused into the merge gives, bit for bit, MLX's own `o.transpose * sigmoid(g)` of
+    the ungated output (QSA.md §9's order), in the layout [1, 1, H, d], for both merge forms."""
+    from mlx_qsa.consumers import output_gate
+
+    rng = np.random.default_rng([53, T])
+    q, _, _, km, vm = real_attention_inputs(rng, T)
+    nb = T // 4
+    ids, valid = block_list(rng, 512, max(nb, 1), min(512, nb))
+    args = (bf16(q[None, :, None]), km, vm, mx.array(ids), mx.array(valid))
+    pos = mx.array([T - 1], dtype=mx.int32)
+    g = gate_logits(rng, 1, strided=strided)
+    plain = flash_decode_cuda(*args, pos=pos, scale=1 / 16, one_launch=one_launch)
+    want = output_gate(plain, g)
+    for _ in range(2):
+        got = flash_decode_cuda(*args, pos=pos, scale=1 / 16, one_launch=one_launch, gate=g)
+        assert got.shape == (1, 1, 24, 256) and got.dtype == mx.bfloat16
+        np.testing.assert_array_equal(bits(got), bits(want))
+    assert np.abs(to_np(want)).max() > 0  # a real output, not an all-zero pair
+
+
+@needs_cuda
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one", "two"])
+@pytest.mark.parametrize("rows", [2, 5, 8])
+def test_rows_gather_gate_fused_is_mlx_sigmoid_times_output(rows, one_launch):
+    from mlx_qsa.consumers import output_gate
+
+    rng = np.random.default_rng([59, rows])
+    T = 20000
+    _, _, _, km, vm = real_attention_inputs(rng, T)
+    qs = bf16(rng.standard_normal((1, 24, rows, 256), dtype=F32))
+    W = 512 * 4 + 4
+    slots = rng.integers(0, T, (rows, W)).astype(np.int32)
+    svalid = rng.random((rows, W)) < 0.9
+    svalid[-1] = False  # a row with no token: 0 * sigmoid(g) in both
+    sl, sv = mx.array(slots), mx.array(svalid)
+    g = gate_logits(rng, rows)
+    plain = rows_gather_cuda(qs, km, vm, sl, sv, scale=1 / 16, one_launch=one_launch)
+    want = output_gate(plain, g)
+    got = rows_gather_cuda(qs, km, vm, sl, sv, scale=1 / 16, one_launch=one_launch, gate=g)
+    assert got.shape == (1, rows, 24, 256)
+    np.testing.assert_array_equal(bits(got), bits(want))
+    assert np.abs(to_np(want)[0, :-1]).max() > 0

@@ -199,3 +199,38 @@ def test_prefill_chunks_run_the_kernels(spy, monkeypatch, consumer, cfg, widths)
     for call in big:
         if call.S <= 300:  # the oracle's float64 attention of the long chunks takes minutes
             check_call(call, cfg, cuda.weights, mx.bfloat16)
+
+
+def test_fused_output_gate_keeps_the_layer_bit_for_bit(spy, monkeypatch, set_switch) -> None:
+    """The decode consumers' kernels apply the output gate in their merge by default; with
+    MLX_QSA_FUSE_GATE=0 MLX's sigmoid and multiply do it. Every call's output is the same bits,
+    compiled and eager, and the fused run really passed the gate to the kernels."""
+    gated = {"flash": 0, "rows": 0}
+
+    def counting(module, name, key):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            gated[key] += kwargs.get("gate") is not None
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, call)
+
+    counting(flash_decode, "flash_decode_cuda", "flash")
+    counting(rows_gather, "rows_gather_cuda", "rows")
+    for compiled in (True, False):
+        set_switch("MLX_QSA_FUSE_GATE", None)
+        before = dict(gated)
+        fused = _run(spy, "auto", compiled=compiled)
+        assert gated["flash"] > before["flash"] and gated["rows"] > before["rows"]
+        set_switch("MLX_QSA_FUSE_GATE", "0")
+        before = dict(gated)
+        unfused = _run(spy, "auto", compiled=compiled)
+        assert gated == before  # no kernel got the gate
+        for a, b in zip(fused.calls, unfused.calls, strict=True):
+            assert (a.P, a.S, a.consumers) == (b.P, b.S, b.consumers)
+            np.testing.assert_array_equal(
+                np.array(a.y.view(mx.uint16)),
+                np.array(b.y.view(mx.uint16)),
+                err_msg=f"S{a.S}@{a.P} compiled={compiled}",
+            )

@@ -112,9 +112,13 @@ class Spy:
         self._real = layer_mod.dispatch
 
     def __enter__(self) -> Spy:
-        def recording(cplan, q, keys, values, sel, positions, T, ratio, scale, impl="portable"):
+        def recording(
+            cplan, q, keys, values, sel, positions, T, ratio, scale, impl="portable", gate=None
+        ):
             self.seen.append(Seen(sel, np.array(positions), T, cplan.consumers))
-            return self._real(cplan, q, keys, values, sel, positions, T, ratio, scale, impl)
+            return self._real(
+                cplan, q, keys, values, sel, positions, T, ratio, scale, impl, gate=gate
+            )
 
         self._patch = mock.patch.object(layer_mod, "dispatch", recording)
         self._patch.start()

@@ -386,9 +386,9 @@ class QSAAttention(nn.Module):
             cfg.indexer_compress_ratio or 4,
             cfg.scale,
             self.impl,
-        )
-        o = o.transpose(0, 2, 1, 3)  # [1, S, H, d]
-        o = (o * mx.sigmoid(gate)).reshape(1, S, H * d)
+            gate=gate,
+        )  # gated: [1, S, H, d]
+        o = o.reshape(1, S, H * d)
         y = self.o_proj(o)
 
         cache.commit(u)

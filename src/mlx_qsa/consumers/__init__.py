@@ -21,6 +21,7 @@ from .sdpa import sdpa
 
 __all__ = [
     "dispatch",
+    "output_gate",
     "flash",
     "prefill_flash",
     "prefill_gather",
@@ -45,6 +46,13 @@ def _attention_supports(q_dtype, k_dtype, n_heads: int, n_kv: int, d: int) -> bo
     return attention_unsupported(q_dtype, n_heads, n_kv, d) is None
 
 
+def output_gate(o: mx.array, gate: mx.array) -> mx.array:
+    """The output gate on an attention output (QSA.md §9): o `[1, H, S, d]`, the gate's logits
+    `[1, S, H, d]` -> `o ⊙ sigmoid(gate)` as `[1, S, H, d]`, in MLX's order (sigmoid of the bf16
+    gate rounded to bf16, the product rounded to bf16)."""
+    return o.transpose(0, 2, 1, 3) * mx.sigmoid(gate)
+
+
 def dispatch(
     cplan: plan.ConsumerPlan,
     q: mx.array,
@@ -56,39 +64,91 @@ def dispatch(
     ratio: int,
     scale: float,
     impl: str = "portable",
+    gate: mx.array | None = None,
 ) -> mx.array:
-    """Attention output `[1, H, S, d]` of the consumer chain `cplan.consumers`."""
+    """Attention output `[1, H, S, d]` of the consumer chain `cplan.consumers`; with `gate`
+    (the output gate's logits `[1, S, H, d]`), the gated output `[1, S, H, d]`.
+
+    The CUDA flash and rows-gather kernels apply the gate in their merge (one launch instead of
+    a sigmoid and a multiply after it, the same bits; ``MLX_QSA_FUSE_GATE=0`` turns that off);
+    every other route applies it with `output_gate`."""
+    fuse = None
+    if gate is not None and impl == "cuda":
+        from ..kernels._launch import fuse_gate_env
+
+        fuse = gate if fuse_gate_env() else None
+    o, gated = _attend(cplan, q, keys, values, sel, positions, T, ratio, scale, impl, fuse)
+    if gate is None or gated:
+        return o
+    return output_gate(o, gate)
+
+
+def _attend(
+    cplan: plan.ConsumerPlan,
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    sel: Selection,
+    positions: mx.array,
+    T: int,
+    ratio: int,
+    scale: float,
+    impl: str,
+    gate: mx.array | None,
+) -> tuple[mx.array, bool]:
+    """The consumer's output and whether `gate` (only ever passed with `impl="cuda"`) is already
+    applied in it."""
     first = cplan.consumers[0]
     if impl == "cuda" and cuda_attention_supports(q, keys):
         from ..kernels.flash_decode import flash_decode_cuda, ratio_supported
 
         if first == "flash" and ratio_supported(ratio):
             # the selection's row and the row's position are read in place (no extra arrays)
-            return flash_decode_cuda(
-                q, keys, values, sel.ids, sel.valid, scale=scale, ratio=ratio, pos=positions
-            )
+            o = flash_decode_cuda(
+                q, keys, values, sel.ids, sel.valid, scale=scale, ratio=ratio, pos=positions,
+                gate=gate,
+            )  # fmt: skip
+            return o, gate is not None
         from ..kernels.rows_gather import rows_gather_cuda
 
         if first == "rows_gather":
-            return rows_gather_cuda(q, keys, values, sel.slots, sel.slot_valid, scale=scale)
+            o = rows_gather_cuda(q, keys, values, sel.slots, sel.slot_valid, scale=scale, gate=gate)
+            return o, gate is not None
         if first == "prefill_flash":
             from ..kernels.prefill_flash import prefill_flash_cuda, prefill_flash_unsupported
 
             n_heads, n_kv, d = q.shape[1], keys.shape[1], q.shape[-1]
             why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio, sel.ids.shape[1])
             if why is None:
-                return prefill_flash_cuda(
+                o = prefill_flash_cuda(
                     q, keys, values, sel.ids, sel.valid, positions, scale=scale, ratio=ratio
                 )
+                return o, False
         if first in ("prefill_flash", "prefill_gather"):
 
             def gather(qt, k, v, slots, slot_valid, sc):
                 return rows_gather_cuda(qt, k, v, slots, slot_valid, scale=sc)
 
             consumer = prefill_flash if first == "prefill_flash" else prefill_gather
-            return consumer(
+            o = consumer(
                 q, keys, values, sel.ids, sel.valid, positions, ratio, scale, gather=gather
             )
+            return o, False
+    return _portable(cplan, q, keys, values, sel, positions, T, ratio, scale), False
+
+
+def _portable(
+    cplan: plan.ConsumerPlan,
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    sel: Selection,
+    positions: mx.array,
+    T: int,
+    ratio: int,
+    scale: float,
+) -> mx.array:
+    first = cplan.consumers[0]
     if first == "sdpa":
         mask = cplan.sdpa_mask
         if mask == "token_list":

@@ -106,8 +106,12 @@ def include(filename: str) -> str:
 
 def header_for(source: str) -> str:
     """The header a kernel body gets: ``common.cuh`` where the body uses it (names ``qsa::``),
-    else none."""
-    return include("common.cuh") if "qsa::" in source else ""
+    else none; ``gate.cuh`` after it where the body is built with the fused output gate
+    (``#define QSA_GATE``: only those kernels parse MLX's device op headers)."""
+    if "qsa::" not in source:
+        return ""
+    gated = "#define QSA_GATE\n" in source
+    return include("common.cuh") + (include("gate.cuh") if gated else "")
 
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"$', re.M)
@@ -314,25 +318,32 @@ def plan_split_k(
     shared_memory: int,
     out_dtype,
     one_launch: bool,
+    gate: bool = False,
 ) -> Run:
     """The run of a split-K attention file's ``partial`` section over ``n_cta`` CTAs of
     ``ATTN_THREADS``, merging its ``rows`` x ``nsplit`` partials into ``out_shape``: in the
     same launch (``one_launch``: ``QSA_FUSED``, a counter slot as the last input) or with the
-    merge kernel every split-K file shares (``split_k_merge.cu``)."""
+    merge kernel every split-K file shares (``split_k_merge.cu``).
+
+    ``gate``: the run's last array is the output gate ``[1, S, H, d]`` and the merge writes
+    ``o * sigmoid(gate)`` in that layout (``QSA_GATE``, gate.cuh); ``out_shape`` is then
+    ``[1, S, H, d]``."""
     d = out_shape[-1]
     part_shapes = [(rows, nsplit, d), (rows, nsplit, 2)]
     f32 = [mx.float32, mx.float32]
     grid = (n_cta * ATTN_THREADS, 1, 1)
     block = (ATTN_THREADS, 1, 1)
+    gate_in = ("gate",) if gate else ()
+    gate_def = "#define QSA_GATE\n" if gate else ""
     if one_launch:
         fused = build(
             filename,
             "partial",
-            inputs + ("ctr",),
+            inputs + gate_in + ("ctr",),
             ("part_o", "part_ml", "out"),
-            ("fused",),
+            ("fused",) + gate_in,
             shared_memory=shared_memory,
-            prefix="#define QSA_FUSED\n",
+            prefix="#define QSA_FUSED\n" + gate_def,
             template=template,
         )
         shapes = part_shapes + [out_shape]
@@ -353,20 +364,27 @@ def plan_split_k(
     )
     merge_template = (("D", d), ("NSPLIT", nsplit), ("NT", ATTN_THREADS))
     merge = build(
-        "split_k_merge.cu", "merge", ("part_o", "part_ml"), ("out",), (), template=merge_template
+        "split_k_merge.cu",
+        "merge",
+        ("part_o", "part_ml") + gate_in,
+        ("out",),
+        gate_in,
+        prefix=gate_def,
+        template=merge_template,
     )
     merge_grid = (rows * (d // merge_cols(d)) * ATTN_THREADS, 1, 1)
+    n_in = len(inputs)
 
     def run_two(arrays: list) -> mx.array:
         part_o, part_ml = partial(
-            inputs=arrays,
+            inputs=arrays[:n_in],
             grid=grid,
             threadgroup=block,
             output_shapes=part_shapes,
             output_dtypes=f32,
         )
         return merge(
-            inputs=[part_o, part_ml],
+            inputs=[part_o, part_ml] + arrays[n_in:],
             grid=merge_grid,
             threadgroup=block,
             output_shapes=[out_shape],
@@ -402,6 +420,26 @@ def check_row_lists(fn: str, rows: int, names: tuple[str, str], lists, mask, wha
     if mask.shape != lists.shape:
         raise ValueError(f"{fn}: {mn} must have shape {list(lists.shape)}, got {list(mask.shape)}")
     check_dtype(fn, mn, mask, (mx.bool_,))
+
+
+def check_gate(fn: str, gate, q) -> None:
+    """The output gate's logits for a fused gate: ``[1, S, H, d]`` in q's dtype (q is
+    ``[1, H, S, d]``); any strides (the layer's gate is a view of q_proj's output)."""
+    if gate is None:
+        return
+    _, n_heads, rows, d = q.shape
+    want = (1, rows, n_heads, d)
+    if tuple(gate.shape) != want:
+        raise ValueError(f"{fn}: gate must be [1, S, H, d] = {list(want)}, got {list(gate.shape)}")
+    if gate.dtype != q.dtype:
+        raise ValueError(f"{fn}: gate must have q's dtype {q.dtype}, got {gate.dtype}")
+
+
+def fuse_gate_env() -> bool:
+    """Whether the CUDA decode consumers fuse the output gate into their merge (the default);
+    ``MLX_QSA_FUSE_GATE=0`` leaves it to MLX's ``sigmoid`` and ``multiply`` (the same bits), for
+    side-by-side timing."""
+    return env_switch("MLX_QSA_FUSE_GATE") != "0"
 
 
 def float_bits(x: float) -> int:

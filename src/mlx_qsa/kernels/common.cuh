@@ -396,9 +396,19 @@ __host__ __device__ constexpr int merge_smem_floats() {
   return merge_red_offset<NSPLIT>() + NT / (merge_cols<D>() / 4) * merge_cols<D>();
 }
 
+// Where a merged row goes without the output gate: bf16 out[rh * D + c], the layout [1, H, S, D]
+// (rh = h * S + row). The gated form is gate.cuh's GatedOut.
+template <int D>
+struct PlainOut {
+  __nv_bfloat16* out;
+  __device__ __forceinline__ void store(int rh, int c, float v) const {
+    out[(long long)rh * D + c] = __float2bfloat16(v);
+  }
+};
+
 // Log-sum-exp merge of NSPLIT partials of row rh, columns [c0, c0 + COLS), by a block of NT
-// threads: the row's partials are o[rh][NSPLIT][D] and ml[rh][NSPLIT][2]; writes bf16
-// out[rh * D + c]. No token at all -> 0. The order of every sum is fixed, so the bits do not
+// threads: the row's partials are o[rh][NSPLIT][D] and ml[rh][NSPLIT][2]; `dst.store(rh, c, v)`
+// writes column c (PlainOut above, or gate.cuh's GatedOut). No token at all -> 0. The order of every sum is fixed, so the bits do not
 // depend on who merges:
 // - the row's (m, l) are staged in shared memory; one warp takes their maximum M, the weights
 //   w_s = exp(m_s - M) and L = sum w_s l_s (lane-strided, then a fixed shuffle tree);
@@ -411,8 +421,8 @@ __host__ __device__ constexpr int merge_smem_floats() {
 // the 48 KB a launch gets without opting in).
 // CG: read the partials through L2 only (__ldcg), for a merge inside the kernel that wrote them.
 // Every thread of the block must call it (it has block barriers).
-template <int D, int NSPLIT, int NT, bool CG = false>
-__device__ void merge_tile(const float* part_o, const float* part_ml, __nv_bfloat16* out, int rh,
+template <int D, int NSPLIT, int NT, bool CG = false, class Out>
+__device__ void merge_tile(const float* part_o, const float* part_ml, const Out& dst, int rh,
                            int c0, float* buf) {
   constexpr int COLS = merge_cols<D>();
   constexpr int CQ = COLS / 4;            // column quads
@@ -481,7 +491,7 @@ __device__ void merge_tile(const float* part_o, const float* part_ml, __nv_bfloa
       for (int gg = 1; gg < SG; ++gg) sum += red_s[gg][tid];
       res = sum / stat_s[1];
     }
-    out[(long long)rh * D + c0 + tid] = __float2bfloat16(res);
+    dst.store(rh, c0 + tid, res);
   }
   __syncthreads();  // the shared arrays may be staged again by the caller's next tile
 }
@@ -499,9 +509,9 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 // equal to the separate merge kernel's). The last merger to finish resets the counter,
 // so the next launch on the stream finds it zeroed. Spinning is safe: a CTA waits only for
 // CTAs that took earlier tickets or have yet to finish, and at most 64 wait (fewer than the SMs).
-template <int D, int NSPLIT, int NT>
+template <int D, int NSPLIT, int NT, class Out>
 __device__ void merge_when_done(int* ctr, int n_cta, int R, const float* part_o,
-                                const float* part_ml, __nv_bfloat16* out, float* buf) {
+                                const float* part_ml, const Out& dst, float* buf) {
   __shared__ int ticket_s;
   __threadfence();  // this thread's partials visible device-wide before the ticket
   __syncthreads();
@@ -517,7 +527,7 @@ __device__ void merge_when_done(int* ctr, int n_cta, int R, const float* part_o,
   }
   __syncthreads();
   for (int tile = mi; tile < tiles; tile += M) {
-    merge_tile<D, NSPLIT, NT, true>(part_o, part_ml, out, tile / TPR,
+    merge_tile<D, NSPLIT, NT, true>(part_o, part_ml, dst, tile / TPR,
                                     (tile % TPR) * merge_cols<D>(), buf);
   }
   __syncthreads();

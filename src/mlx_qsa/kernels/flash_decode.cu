@@ -5,6 +5,8 @@
 // block_ids [K] or [1, K] int32, block_valid likewise bool (a selection's row, in place);
 // tlen [1] int32 = T - TOFF (TOFF 0: the context length T; TOFF 1: the row's position)
 // -> part_o [H, NSPLIT, D] float32 (unnormalised), part_ml [H, NSPLIT, 2] float32 (max, sum).
+// With QSA_GATE, gate [1, 1, H, D] bf16 (any strides) is the last input before ctr and the merged
+// output is o * sigmoid(gate) in [1, 1, H, D] (gate.cuh).
 // Template: D, G, TOK, RATIO, K, NSPLIT, SCALE_BITS, NT, TOFF.
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 __shared__ int tok_s[TOK];
@@ -39,8 +41,14 @@ qsa::partial_attention<D, G, TOK, NT>(
     part_ml + ((long long)h0 * NSPLIT + s) * 2, (long long)NSPLIT * 2,
     qsa_dyn_smem);
 #ifdef QSA_FUSED  // one launch: the last CTAs merge (ctr [2] int32, out [1, H, 1, D] bf16)
+#ifdef QSA_GATE  // the output gate fused: out [1, 1, H, D] = o * sigmoid(gate) (gate.cuh)
+const qsa::GatedOut<D> dst{out, gate, gate_strides[1], gate_strides[2], gate_strides[3], 1,
+                           G * (int)gridDim.x / NSPLIT};
+#else
+const qsa::PlainOut<D> dst{out};
+#endif
 static_assert(qsa::merge_smem_floats<D, NSPLIT, NT>() * 4 <= qsa::Attn<D, G, TOK, NT>::BYTES,
               "the merge works in the partial's shared memory");
 qsa::merge_when_done<D, NSPLIT, NT>(const_cast<int*>(ctr), gridDim.x, G * gridDim.x / NSPLIT,
-                                    part_o, part_ml, out, reinterpret_cast<float*>(qsa_dyn_smem));
+                                    part_o, part_ml, dst, reinterpret_cast<float*>(qsa_dyn_smem));
 #endif

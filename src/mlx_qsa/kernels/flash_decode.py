@@ -93,8 +93,13 @@ def flash_decode_cuda(
     ratio: int = 4,
     pos: mx.array | None = None,
     one_launch: bool | None = None,
+    gate: mx.array | None = None,
 ) -> mx.array:
     """Split-K flash decode on CUDA; see :func:`flash_decode_portable`.
+
+    With ``gate`` (the row's output-gate logits ``[1, 1, H, d]``, any strides) the merge also
+    applies the output gate (QSA.md §9) and returns ``o * sigmoid(gate)`` as ``[1, 1, H, d]``,
+    bit for bit MLX's own ``sigmoid`` and ``multiply`` of the ungated output.
 
     The list [selected blocks..., tail] is cut into ``32 / ratio`` entries per CTA, one CTA per
     (KV head, split) for all its query heads, float32 online softmax; the splits are merged by
@@ -109,11 +114,13 @@ def flash_decode_cuda(
         raise ValueError(f"{fn}: pass exactly one of T and pos")
     tlen = T if T is not None else pos
     arrays = [q, keys, values, block_ids, block_valid, tlen]
+    if gate is not None:
+        arrays.append(gate)
     launch = _launch.one_launch_env() if one_launch is None else one_launch
-    sig = _launch.signature(tuple(arrays), scale, ratio, T is None, launch)
+    sig = _launch.signature(tuple(arrays), scale, ratio, T is None, launch, gate is not None)
     run = _PLANS.get(
         sig, lambda: _plan(fn, q, keys, values, block_ids, block_valid, tlen, T is None, scale,
-                           ratio, one_launch)
+                           ratio, one_launch, gate)
     )  # fmt: skip
     return run(arrays)
 
@@ -123,7 +130,7 @@ _PLANS = _launch.Plans()
 
 def _plan(
     fn: str, q, keys, values, block_ids, block_valid, tlen, toff: bool, scale: float, ratio: int,
-    one_launch: bool | None,
+    one_launch: bool | None, gate: mx.array | None,
 ) -> _launch.Run:  # fmt: skip
     """Checks a call's arguments and plans its launch (once per signature)."""
     if block_ids.ndim == 2 and block_ids.shape[0] == 1 and block_valid.shape == block_ids.shape:
@@ -131,6 +138,7 @@ def _plan(
     else:
         ids1, ok1 = block_ids, block_valid
     n_heads, n_kv, d = _check(fn, q, keys, values, ids1, ok1, tlen, ratio)
+    _launch.check_gate(fn, gate, q)
     _launch.require_cuda(fn)
     _launch.check_cuda_attention(fn, q, n_heads, n_kv, d, scale)
     if not ratio_supported(ratio):
@@ -156,9 +164,10 @@ def _plan(
         template,
         n_cta=n_kv * nsplit,
         rows=n_heads,
-        out_shape=(1, n_heads, 1, d),
+        out_shape=(1, 1, n_heads, d) if gate is not None else (1, n_heads, 1, d),
         nsplit=nsplit,
         shared_memory=_launch.attn_smem_bytes(d, g, _TOK, nt),
         out_dtype=q.dtype,
         one_launch=_launch.one_launch_default(n_heads, d) if one_launch is None else one_launch,
+        gate=gate is not None,
     )

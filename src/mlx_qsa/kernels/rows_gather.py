@@ -62,18 +62,26 @@ def rows_gather_cuda(
     *,
     scale: float,
     one_launch: bool | None = None,
+    gate: mx.array | None = None,
 ) -> mx.array:
     """Split-K rows-gather attention on CUDA; see :func:`rows_gather_portable`.
 
     One CTA per (row, KV head, 32 or 64 slots) for all query heads of the KV head, float32
     online softmax, then a fixed-order log-sum-exp merge of the splits (in the same launch
-    with ``one_launch``, else by a second kernel; the same bits).
+    with ``one_launch``, else by a second kernel; the same bits). With ``gate`` (the rows'
+    output-gate logits ``[1, S, H, d]``, any strides) the merge applies the output gate
+    (QSA.md §9) and returns ``o * sigmoid(gate)`` as ``[1, S, H, d]``, bit for bit MLX's own
+    ``sigmoid`` and ``multiply`` of the ungated output.
     """
     fn = "rows_gather_cuda"
     arrays = [q, keys, values, slots, slot_valid]
+    if gate is not None:
+        arrays.append(gate)
     launch = _launch.one_launch_env() if one_launch is None else one_launch
-    sig = _launch.signature(tuple(arrays), scale, launch)
-    run = _PLANS.get(sig, lambda: _plan(fn, q, keys, values, slots, slot_valid, scale, one_launch))
+    sig = _launch.signature(tuple(arrays), scale, launch, gate is not None)
+    run = _PLANS.get(
+        sig, lambda: _plan(fn, q, keys, values, slots, slot_valid, scale, one_launch, gate)
+    )
     return run(arrays)
 
 
@@ -81,10 +89,12 @@ _PLANS = _launch.Plans()
 
 
 def _plan(
-    fn: str, q, keys, values, slots, slot_valid, scale: float, one_launch: bool | None
-) -> _launch.Run:
+    fn: str, q, keys, values, slots, slot_valid, scale: float, one_launch: bool | None,
+    gate: mx.array | None,
+) -> _launch.Run:  # fmt: skip
     """Checks a call's arguments and plans its launch (once per signature)."""
     n_heads, rows, n_kv, d = _check(fn, q, keys, values, slots, slot_valid)
+    _launch.check_gate(fn, gate, q)
     _launch.require_cuda(fn)
     _launch.check_cuda_attention(fn, q, n_heads, n_kv, d, scale)
     g = n_heads // n_kv
@@ -110,9 +120,10 @@ def _plan(
         template,
         n_cta=rows * n_kv * nsplit,
         rows=n_heads * rows,
-        out_shape=(1, n_heads, rows, d),
+        out_shape=(1, rows, n_heads, d) if gate is not None else (1, n_heads, rows, d),
         nsplit=nsplit,
         shared_memory=_launch.attn_smem_bytes(d, g, tok, nt),
         out_dtype=q.dtype,
         one_launch=one_launch,
+        gate=gate is not None,
     )

@@ -1,0 +1,122 @@
+"""Does fusing the output gate into the decode kernels' merge pay? The whole CUDA layer decode step
+(real geometry, as `mlx-qsa bench decode` times `qsa_cuda_layer`) with the gate fused (the
+default) and with `MLX_QSA_FUSE_GATE=0` (MLX's sigmoid and multiply after the kernel), both
+timed in turns over the same rotated caches, one `mx.eval` per step and queued. Also records each
+mode's primitive count and checks that the two modes' outputs are the same bits.
+
+    python3 benchmarks/gate_ab.py OUT.json [--contexts 8k,128k] [--rows 1,4] [--sets 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_qsa import bench, sweep
+from mlx_qsa.config import QSAConfig, QSAOptions
+from mlx_qsa.kernels._launch import env_switch
+from mlx_qsa.layer import QSAAttention
+from mlx_qsa.rope import text_rope
+
+MODES = {"fused": None, "unfused": "0"}  # MLX_QSA_FUSE_GATE
+
+
+def set_mode(mode: str) -> None:
+    value = MODES[mode]
+    if value is None:
+        os.environ.pop("MLX_QSA_FUSE_GATE", None)
+    else:
+        os.environ["MLX_QSA_FUSE_GATE"] = value
+    env_switch.cache_clear()
+
+
+def mode_passes(layer, xs, caches, rows: int, n: int) -> dict:
+    """Each mode's sync and queued pass over the rotated caches (the mode set inside the pass)."""
+
+    def step(i: int) -> mx.array:
+        text_rope.cache_clear()  # a first QSA layer at a new position makes its tables
+        y = layer(xs[i], cache=caches[i])
+        caches[i].trim(rows)  # back to T - rows: every step sees context T
+        return y
+
+    passes = {}
+    for mode in MODES:
+        for sync in (True, False):
+            one = bench.mlx_pass(step, n, sync_each=sync)
+
+            def timed(one=one, mode=mode) -> float:
+                set_mode(mode)
+                return one()
+
+            passes[f"{mode}{'' if sync else '_queued'}"] = timed
+    return passes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--contexts", type=bench._int_list, default=(8192, 131072))
+    p.add_argument("--rows", type=bench._int_list, default=(1, 4))
+    p.add_argument("--sets", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--settle", type=float, default=1.0)
+    a = p.parse_args()
+    cfg = QSAConfig()
+    mx.random.seed(0)
+    layer = QSAAttention(cfg, options=QSAOptions(kernels="auto"), fused=4)
+    layer.set_dtype(mx.bfloat16)
+    mx.eval(layer.parameters())
+    doc = {
+        "what": "CUDA layer decode step, output gate fused vs MLX_QSA_FUSE_GATE=0, in turns",
+        "environment": sweep.environment(sweep.backend_name()),
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "mlx": mx.__version__,
+        "host_calibration": bench.host_calibration(),
+        "points": [],
+    }
+    for T in a.contexts:
+        for rows in a.rows:
+            caches = [bench.random_cache(layer, T, rows, seed=i) for i in range(a.sets)]
+            xs = [bench.layer_rows(cfg, rows, seed=i) for i in range(a.sets)]
+            rec = {"context": T, "rows": rows, "primitives": {}, "timings": {}}
+            outs = {}
+            for mode in MODES:
+                set_mode(mode)
+                for counted in (False, True):
+                    text_rope.cache_clear()
+                    y = layer(xs[0], cache=caches[0])
+                    if counted:
+                        rec["primitives"][mode] = bench.primitive_counts(y)["total"]
+                        rec["consumers"] = list(layer.last_call.consumers)
+                    mx.eval(y)
+                    caches[0].trim(rows)
+                outs[mode] = np.array(y.view(mx.uint16))
+            rec["same_bits"] = bool(np.array_equal(outs["fused"], outs["unfused"]))
+            passes = mode_passes(layer, xs, caches, rows, a.sets)
+            res = bench.time_in_turns(passes, a.warmup, a.repeats, a.settle)
+            rec["timings"] = {k: v["median_us"] for k, v in res.items()}
+            rec["samples_us"] = {k: v["samples_us"] for k, v in res.items()}
+            doc["points"].append(rec)
+            t = rec["timings"]
+            print(
+                f"T={T} rows={rows} {rec['consumers']} primitives {rec['primitives']} "
+                f"same bits {rec['same_bits']} | sync fused {t['fused']:.1f} unfused "
+                f"{t['unfused']:.1f} us | queued fused {t['fused_queued']:.1f} unfused "
+                f"{t['unfused_queued']:.1f} us",
+                flush=True,
+            )
+    set_mode("fused")
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
