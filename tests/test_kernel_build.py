@@ -24,7 +24,7 @@ _TOOLS = shutil.which("nvcc") and shutil.which("ptxas")
 pytestmark = pytest.mark.skipif(not _TOOLS, reason="needs nvcc and ptxas on PATH (CUDA toolkit)")
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_ptx.py"
-_NO_DYNAMIC = {"flash_merge"}  # launched without dynamic shared memory: static alone counts
+_NO_DYNAMIC = {"flash_merge", "flash_merge_gate"}  # launched without dynamic shared memory: static alone counts
 
 
 def _kernel_ptx():
@@ -40,7 +40,7 @@ def test_kernel_compiles_with_static_smem_under_the_bound(name, tmp_path):
     cu, ptx = tmp_path / f"{name}.cu", tmp_path / f"{name}.ptx"
     cu.write_text(kp.source(*kp.JOBS[name]))
     r = subprocess.run(
-        ["nvcc", "-arch=sm_90a", "-std=c++17", "-ptx", "-o", str(ptx), str(cu)],
+        ["nvcc", "-arch=sm_90a", "-std=c++17", "-ptx", *kp.include_args(), "-o", str(ptx), str(cu)],
         capture_output=True, text=True,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
@@ -70,6 +70,7 @@ def test_sources_as_mlx_gets_them_compile_to_the_same_ptx(tmp_path, monkeypatch)
     from mlx_qsa.kernels import _launch
 
     kp = _kernel_ptx()
+    inc = kp.include_args()
 
     def ptx_of(tag: str) -> dict[str, list[str]]:
         out = {}
@@ -77,7 +78,8 @@ def test_sources_as_mlx_gets_them_compile_to_the_same_ptx(tmp_path, monkeypatch)
             cu, ptx = tmp_path / f"{name}_{tag}.cu", tmp_path / f"{name}_{tag}.ptx"
             cu.write_text(kp.source(*kp.JOBS[name]))
             subprocess.run(
-                ["nvcc", "-arch=sm_90a", "-std=c++17", "-ptx", "-o", str(ptx), str(cu)], check=True
+                ["nvcc", "-arch=sm_90a", "-std=c++17", "-ptx", *inc, "-o", str(ptx), str(cu)],
+                check=True,
             )
             out[name] = [ln for ln in ptx.read_text().split("\n") if not ln.startswith("//")]
         return out
@@ -114,6 +116,11 @@ def test_common_header_only_for_bodies_that_use_it():
                 assert _launch.header_for(body) == line, (filename, name)
     assert _launch.header_for("x = qsa::neg_inf();") == line
     assert _launch.header_for("x = 1.0f;") == ""
+    # MLX's device op headers (gate.cuh) only for a body built with the fused output gate
+    gated = line + _launch.include("gate.cuh")
+    for filename in ("flash_decode.cu", "rows_gather.cu", "split_k_merge.cu"):
+        for name, body in _launch.kernel_sections(filename).items():
+            assert _launch.header_for("#define QSA_GATE\n" + body) == gated, (filename, name)
 
 
 _GEMM_PLANS = [  # one of each kernel family, as (tile, warps, family)
