@@ -24,7 +24,8 @@ _TOOLS = shutil.which("nvcc") and shutil.which("ptxas")
 pytestmark = pytest.mark.skipif(not _TOOLS, reason="needs nvcc and ptxas on PATH (CUDA toolkit)")
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_ptx.py"
-_NO_DYNAMIC = {"flash_merge", "flash_merge_gate"}  # launched without dynamic shared memory: static alone counts
+# launched without dynamic shared memory: static alone counts
+_NO_DYNAMIC = {"flash_merge", "flash_merge_gate"}
 
 
 def _kernel_ptx():
