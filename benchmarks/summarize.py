@@ -9,30 +9,42 @@ import json
 import sys
 
 
+def _ratio(t: dict, peer: str, ours: str) -> str:
+    """peer ÷ ours as text, or – where either entry is absent (older documents)."""
+    if peer not in t or ours not in t:
+        return "–"
+    return f"{t[peer]['median_us'] / t[ours]['median_us']:.2f}"
+
+
 def decode_table(doc: dict) -> str:
+    """One row per point. Ratios compare like with like: an `mx.eval` (or torch synchronize)
+    per step against the same, queued steps against queued steps (torch's queued entry is
+    `torch_dense_sdpa`, CUDA events around the pass; its synchronized one `torch_dense_sdpa_sync`,
+    absent from documents before 2026-12-04)."""
     cols = [
         ("qsa_cuda", "CUDA"),
         ("qsa_cuda_async", "CUDA, queued"),
         ("qsa_portable", "portable"),
         ("mlx_gather_sdpa", "MLX gather+SDPA"),
         ("mlx_dense_sdpa", "MLX dense SDPA"),
-        ("torch_dense_sdpa", "torch dense SDPA"),
+        ("torch_dense_sdpa_sync", "torch dense SDPA"),
+        ("torch_dense_sdpa", "torch, queued"),
         ("qsa_cuda_layer", "CUDA layer"),
     ]
     head = "| context | rows | " + " | ".join(c[1] for c in cols) + " | floor |"
-    head += " torch ÷ CUDA | gather+SDPA ÷ CUDA | CUDA ÷ floor |"
-    lines = [head, "|" + "---|" * (len(cols) + 6)]
+    head += " torch ÷ CUDA | queued: torch ÷ CUDA | gather+SDPA ÷ CUDA | CUDA ÷ floor |"
+    lines = [head, "|" + "---|" * (len(cols) + 7)]
     for p in doc["points"]:
         t = p["timings"]
         us = [f"{t[c]['median_us']:.0f}" if c in t else "–" for c, _ in cols]
         ours = t["qsa_cuda"]["median_us"]
-        r_t = t["torch_dense_sdpa"]["median_us"] / ours if "torch_dense_sdpa" in t else None
-        r_g = t["mlx_gather_sdpa"]["median_us"] / ours
         fl = p["floor"]["us"]
         lines.append(
             f"| {p['context'] // 1024}K | {p['rows']} | "
             + " | ".join(us)
-            + f" | {fl:.1f} | {r_t:.2f} | {r_g:.2f} | {ours / fl:.0f} |"
+            + f" | {fl:.1f} | {_ratio(t, 'torch_dense_sdpa_sync', 'qsa_cuda')} | "
+            + f"{_ratio(t, 'torch_dense_sdpa', 'qsa_cuda_async')} | "
+            + f"{_ratio(t, 'mlx_gather_sdpa', 'qsa_cuda')} | {ours / fl:.0f} |"
         )
     return "\n".join(lines)
 
