@@ -40,11 +40,11 @@ smi=$!
 rc=0
 for what in "$@"; do
   case "$what" in
-    tests)  # the decode kernels' tests (~4 min on an H100); `tests2` has the rest
+    tests)  # the decode kernels' tests; `tests2` has the rest
       timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_decode.py 2>&1 | tee "$OUT/tests.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
-    tests2)  # prefill kernels, the CUDA layer, RoPE, RMSNorm, bench, turns (~5 min on an H100):
+    tests2)  # prefill kernels, the CUDA layer, RoPE, RMSNorm, bench, turns:
              # `tests` and these overran one 420 s step together (2026-12-07)
       timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_prefill.py tests/test_cuda_layer.py tests/test_cuda_rope.py \
