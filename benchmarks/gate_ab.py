@@ -22,12 +22,12 @@ from mlx_qsa import bench, sweep
 from mlx_qsa.config import QSAConfig, QSAOptions
 from mlx_qsa.kernels._launch import env_switch
 from mlx_qsa.layer import QSAAttention
-from mlx_qsa.rope import text_rope
 
 MODES = {"fused": None, "unfused": "0"}  # MLX_QSA_FUSE_GATE
 
 
 def set_mode(mode: str) -> None:
+    """Switch the output gate's fusion for the next steps (MLX_QSA_FUSE_GATE, re-read)."""
     value = MODES[mode]
     if value is None:
         os.environ.pop("MLX_QSA_FUSE_GATE", None)
@@ -38,13 +38,7 @@ def set_mode(mode: str) -> None:
 
 def mode_passes(layer, xs, caches, rows: int, n: int) -> dict:
     """Each mode's sync and queued pass over the rotated caches (the mode set inside the pass)."""
-
-    def step(i: int) -> mx.array:
-        text_rope.cache_clear()  # a first QSA layer at a new position makes its tables
-        y = layer(xs[i], cache=caches[i])
-        caches[i].trim(rows)  # back to T - rows: every step sees context T
-        return y
-
+    step = bench.decode_layer_step(layer, xs, caches, rows)
     passes = {}
     for mode in MODES:
         for sync in (True, False):
@@ -88,16 +82,13 @@ def main() -> None:
             xs = [bench.layer_rows(cfg, rows, seed=i) for i in range(a.sets)]
             rec = {"context": T, "rows": rows, "primitives": {}, "timings": {}}
             outs = {}
+            step = bench.decode_layer_step(layer, xs, caches, rows)
             for mode in MODES:
                 set_mode(mode)
-                for counted in (False, True):
-                    text_rope.cache_clear()
-                    y = layer(xs[0], cache=caches[0])
-                    if counted:
-                        rec["primitives"][mode] = bench.primitive_counts(y)["total"]
-                        rec["consumers"] = list(layer.last_call.consumers)
-                    mx.eval(y)
-                    caches[0].trim(rows)
+                mx.eval(step(0))
+                y = step(0)  # counted before it runs: the second call on this cache, as timed
+                rec["primitives"][mode] = bench.primitive_counts(y)["total"]
+                rec["consumers"] = list(layer.last_call.consumers)
                 outs[mode] = np.array(y.view(mx.uint16))
             rec["same_bits"] = bool(np.array_equal(outs["fused"], outs["unfused"]))
             passes = mode_passes(layer, xs, caches, rows, a.sets)

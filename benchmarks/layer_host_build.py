@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import statistics
 import time
@@ -31,11 +30,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     stand_in_cuda()
+    from gate_ab import set_mode
+
     import mlx_qsa.layer as layer_mod
-    from mlx_qsa.bench import layer_rows, random_cache
+    from mlx_qsa.bench import decode_layer_step, layer_rows, random_cache
     from mlx_qsa.config import QSAConfig, QSAOptions
-    from mlx_qsa.kernels._launch import env_switch
-    from mlx_qsa.rope import text_rope
 
     # the stand-in device is a CUDA GPU the kernels run on
     layer_mod.resolve_impl = lambda kernels="auto": "portable" if kernels == "portable" else "cuda"
@@ -48,17 +47,12 @@ def main() -> None:
     x = layer_rows(cfg, a.rows, seed=2)
 
     def mode(fused: bool) -> None:
-        if fused:
-            os.environ.pop("MLX_QSA_FUSE_GATE", None)
-        else:
-            os.environ["MLX_QSA_FUSE_GATE"] = "0"
-        env_switch.cache_clear()
+        set_mode("fused" if fused else "unfused")
+
+    step = decode_layer_step(layer, [x], [cache], a.rows)
 
     def build() -> mx.array:
-        text_rope.cache_clear()  # a model's first QSA layer at a new position makes its tables
-        y = layer(x, cache=cache)
-        cache.trim(a.rows)
-        return y
+        return step(0)
 
     for fused in (True, False):
         mode(fused)

@@ -631,18 +631,23 @@ def test_select_split_heads_matches_two_launches(ctx, rows, n_heads, mode, set_s
             np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
-@needs_cuda
-@pytest.mark.parametrize("rows", [2, 5, 8])
-def test_rows_gather_one_launch_matches_two_launches(rows):
-    rng = np.random.default_rng([47, rows])
-    T = 20000
+def rows_gather_inputs(rng, rows: int, T: int = 20000):
+    """q [1, 24, rows, 256], K/V backings at context T and per-row slots of the real width
+    (512 blocks x 4 + a 4-token tail), 90% valid; the last row has no valid slot at all."""
     _, _, _, km, vm = real_attention_inputs(rng, T)
     qs = bf16(rng.standard_normal((1, 24, rows, 256), dtype=F32))
     W = 512 * 4 + 4
     slots = rng.integers(0, T, (rows, W)).astype(np.int32)
     svalid = rng.random((rows, W)) < 0.9
-    svalid[-1] = False  # a row with no token gives 0 in both forms
-    sl, sv = mx.array(slots), mx.array(svalid)
+    svalid[-1] = False
+    return qs, km, vm, mx.array(slots), mx.array(svalid)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [2, 5, 8])
+def test_rows_gather_one_launch_matches_two_launches(rows):
+    # the last row has no token: it gives 0 in both forms
+    qs, km, vm, sl, sv = rows_gather_inputs(np.random.default_rng([47, rows]), rows)
     two = rows_gather_cuda(qs, km, vm, sl, sv, scale=1 / 16, one_launch=False)
     for _ in range(3):
         one = rows_gather_cuda(qs, km, vm, sl, sv, scale=1 / 16, one_launch=True)
@@ -700,14 +705,8 @@ def test_rows_gather_gate_fused_is_mlx_sigmoid_times_output(rows, one_launch):
     from mlx_qsa.consumers import output_gate
 
     rng = np.random.default_rng([59, rows])
-    T = 20000
-    _, _, _, km, vm = real_attention_inputs(rng, T)
-    qs = bf16(rng.standard_normal((1, 24, rows, 256), dtype=F32))
-    W = 512 * 4 + 4
-    slots = rng.integers(0, T, (rows, W)).astype(np.int32)
-    svalid = rng.random((rows, W)) < 0.9
-    svalid[-1] = False  # a row with no token: 0 * sigmoid(g) in both
-    sl, sv = mx.array(slots), mx.array(svalid)
+    # the last row has no token: 0 * sigmoid(g) in both
+    qs, km, vm, sl, sv = rows_gather_inputs(rng, rows)
     g = gate_logits(rng, rows)
     plain = rows_gather_cuda(qs, km, vm, sl, sv, scale=1 / 16, one_launch=one_launch)
     want = output_gate(plain, g)

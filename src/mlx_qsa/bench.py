@@ -456,6 +456,23 @@ def layer_rows(cfg: QSAConfig, rows: int, seed: int) -> mx.array:
     return (x * 0.5).astype(mx.bfloat16)
 
 
+def decode_layer_step(
+    layer: QSAAttention, xs: list[mx.array], caches: list[QSACache], rows: int
+) -> Callable[[int], mx.array]:
+    """One timed decode step of `layer` on rotated set i: its rows `xs[i]` at context T, then
+    `caches[i]` trimmed back to T - rows, so every step sees context T."""
+
+    def step(i: int) -> mx.array:
+        # Every timed step makes its own RoPE tables, as a model's first QSA layer at a new
+        # position does (the later layers of that step reuse them).
+        text_rope.cache_clear()
+        y = layer(xs[i], cache=caches[i])
+        caches[i].trim(rows)
+        return y
+
+    return step
+
+
 def bench_decode_point(
     cfg: QSAConfig, T: int, rows: int, args: argparse.Namespace, impls: tuple[str, ...],
     layers: dict[str, QSAAttention], bandwidth_gbps: float,
@@ -510,15 +527,7 @@ def bench_decode_point(
         caches = [random_cache(next(iter(layers.values())), T, rows, seed=i) for i in range(n)]
         xs = [layer_rows(cfg, rows, seed=i) for i in range(n)]
         for impl, layer in layers.items():
-
-            def layer_step(i: int, layer=layer) -> mx.array:
-                # Every timed step makes its own RoPE tables, as a model's first QSA layer at
-                # a new position does (the later layers of that step reuse them).
-                text_rope.cache_clear()
-                y = layer(xs[i], cache=caches[i])
-                caches[i].trim(rows)  # back to T - rows: every step sees context T
-                return y
-
+            layer_step = decode_layer_step(layer, xs, caches, rows)
             # One step's graph, counted before it runs: the second call on this cache, as
             # every timed step is (the first call's graph also holds the lazy random input
             # rows and what a cache's first call builds for later steps).

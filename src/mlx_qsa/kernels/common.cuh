@@ -408,8 +408,8 @@ struct PlainOut {
 
 // Log-sum-exp merge of NSPLIT partials of row rh, columns [c0, c0 + COLS), by a block of NT
 // threads: the row's partials are o[rh][NSPLIT][D] and ml[rh][NSPLIT][2]; `dst.store(rh, c, v)`
-// writes column c (PlainOut above, or gate.cuh's GatedOut). No token at all -> 0. The order of every sum is fixed, so the bits do not
-// depend on who merges:
+// writes column c (PlainOut above, or gate.cuh's GatedOut). No token at all -> 0. The order of
+// every sum is fixed, so the bits do not depend on who merges:
 // - the row's (m, l) are staged in shared memory; one warp takes their maximum M, the weights
 //   w_s = exp(m_s - M) and L = sum w_s l_s (lane-strided, then a fixed shuffle tree);
 // - thread (g, q) owns columns 4q..4q+3 (float4) of the g-th of SG = NT / (COLS / 4) contiguous
