@@ -18,6 +18,8 @@
 # tp1:     bench --tp 1 through mlx.launch --backend nccl (a group of one on this GPU)
 # decodeab: the 128K decode point three times in a row (run-to-run spread), distinct files
 # gate:    the fused output gate's GPU tests and the layer-step A/B (benchmarks/gate_ab.py)
+# sdpa:    the masked-attention kernel's tests, the CUDA layer's masked chunks, then
+#          benchmarks/sdpa_ab.py (kernel vs MLX's SDPA vs torch); sdpaquick: its 2048-row points
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
 # clocks, power and throttle reasons every 200 ms into smi.csv. TAR=1 packs $OUT into one file
 # (the device returns at most 8 a call).
@@ -59,6 +61,15 @@ for what in "$@"; do
     ptests)
       timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_prefill.py tests/test_cuda_layer.py 2>&1 | tee "$OUT/ptests.log" | tail -40
+      rc=$((rc | PIPESTATUS[0])) ;;
+    sdpa|sdpaquick)
+      timeout 300 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+        tests/test_cuda_sdpa.py "tests/test_cuda_layer.py::test_masked_chunks_run_the_sdpa_kernel" \
+        2>&1 | tee "$OUT/sdpa_tests.log" | tail -20
+      rc=$((rc | PIPESTATUS[0]))
+      quick=""; [ "$what" = sdpaquick ] && quick="--quick"
+      timeout 300 python3 benchmarks/sdpa_ab.py "$OUT/sdpa_ab_$GPU_TAG.json" $quick 2>&1 \
+        | tee "$OUT/sdpa_ab.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     trace)
       start=$(date +%s)

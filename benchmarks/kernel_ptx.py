@@ -125,6 +125,16 @@ JOBS = {
         [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4),
          ("SCALE_BITS", 1031798784)], "",
     ),
+    "sdpa_causal": (
+        "sdpa.cu", "attend", [("q", BF), ("keys", BF), ("values", BF), ("pos", "int32_t")],
+        [("out", BF)], [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784)], "",
+    ),
+    "sdpa_mask": (
+        "sdpa.cu", "attend",
+        [("q", BF), ("keys", BF), ("values", BF), ("pos", "int32_t"), ("mask", "bool")],
+        [("out", BF)], [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784)],
+        "#define QSA_MASK\n",
+    ),
     "rope": (
         "rope.cu", "rope", [("x", BF), ("cos_t", "float"), ("sin_t", "float")], [("out", BF)],
         [("T", BF), ("RD", 64)], "",

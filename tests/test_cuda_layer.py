@@ -234,3 +234,33 @@ def test_fused_output_gate_keeps_the_layer_bit_for_bit(spy, monkeypatch, set_swi
                 np.array(b.y.view(mx.uint16)),
                 err_msg=f"S{a.S}@{a.P} compiled={compiled}",
             )
+
+
+def test_masked_chunks_run_the_sdpa_kernel(spy, monkeypatch) -> None:
+    """Chunks the router sends to `sdpa` with a causal mask or the indexer's keep-mask, or to
+    `dense_mask`: on CUDA the masked-attention kernel runs every one of 16 rows or more (the
+    5-row verify takes rows_gather), matching the oracle, with the portable path's selections."""
+    from mlx_qsa.kernels import sdpa as sdpa_kernel
+
+    n_sdpa = _count_calls(monkeypatch, sdpa_kernel, "sdpa_cuda")
+    widths = (40, 33, 20, 5, 1900, 100)
+    x = hidden_rows(sum(widths), CFG.hidden_size)
+    runs = {}
+    for kernels in ("auto", "portable"):
+        opts = QSAOptions.trace(flash_min=1 << 30, prefill_gather=False, kernels=kernels)
+        layer, w = build(CFG, options=opts)
+        runs[kernels] = run = Run(layer, spy)
+        run.weights = w
+        run.feed_widths(x, widths)
+    cuda, portable = runs["auto"], runs["portable"]
+    firsts = [c.consumers[0] for c in cuda.calls]
+    assert firsts == ["sdpa", "sdpa", "sdpa", "rows_gather", "sdpa", "dense_mask"]
+    assert n_sdpa[0] == 5
+    for a, b in zip(cuda.calls, portable.calls, strict=True):
+        assert a.seen.impl == "cuda" and b.seen.impl == "portable"
+        sa, sb = _selection_arrays(a.seen.sel), _selection_arrays(b.seen.sel)
+        for k in sa:
+            np.testing.assert_array_equal(sa[k], sb[k], err_msg=f"S{a.S}@{a.P} {k}")
+    for call in cuda.calls:
+        if call.S <= 300:  # the oracle's float64 attention of the long chunk takes minutes
+            check_call(call, CFG, cuda.weights, mx.bfloat16)

@@ -3,7 +3,8 @@
 Each consumer is one algorithm; `dispatch` runs what the plan chose, with the portable
 implementation here, or with `impl="cuda"` the CUDA kernel of the consumer where one exists
 and covers the shapes (flash, rows_gather, prefill_flash; prefill_gather runs the rows-gather
-kernel per tile); the plan itself never depends on `impl`.
+kernel per tile; sdpa with a causal or keep-mask, and dense_mask, on the masked-attention
+kernel); the plan itself never depends on `impl`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import functools
 import mlx.core as mx
 
 from .. import plan
-from ..indexer import Selection, row_token_slots
+from ..indexer import Selection, dense_keep_mask, row_token_slots
 from .flash import flash
 from .prefill import dense_mask_attention, prefill_flash, prefill_gather
 from .rows_gather import rows_gather
@@ -21,6 +22,7 @@ from .sdpa import sdpa
 
 __all__ = [
     "dispatch",
+    "masked_sdpa_form",
     "output_gate",
     "flash",
     "prefill_flash",
@@ -124,6 +126,9 @@ def _attend(
                     q, keys, values, sel.ids, sel.valid, positions, scale=scale, ratio=ratio
                 )
                 return o, False
+        o = _masked_sdpa_cuda(cplan, q, keys, values, sel, positions, T, ratio, scale)
+        if o is not None:
+            return o, False
         if first in ("prefill_flash", "prefill_gather"):
 
             def gather(qt, k, v, slots, slot_valid, sc):
@@ -135,6 +140,51 @@ def _attend(
             )
             return o, False
     return _portable(cplan, q, keys, values, sel, positions, T, ratio, scale), False
+
+
+def masked_sdpa_form(first: str, sdpa_mask: str, rows: int) -> str | None:
+    """Which call the masked-attention kernel takes on CUDA (`kernels.sdpa`; pure: no arrays):
+    "causal" (`sdpa`, causal), "mask" (`sdpa` with the selection's keep-mask), "dense_mask"
+    (the `dense_mask` consumer's mask, made from prefill blocks), or None (another route, or
+    fewer than `kernels.sdpa.MIN_ROWS` rows: MLX's SDPA)."""
+    from ..kernels.sdpa import MIN_ROWS
+
+    if rows < MIN_ROWS:
+        return None
+    if first == "sdpa":
+        return {"causal": "causal", "dense_mask": "mask"}.get(sdpa_mask)
+    return "dense_mask" if first == "dense_mask" else None
+
+
+def _masked_sdpa_cuda(
+    cplan: plan.ConsumerPlan,
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    sel: Selection,
+    positions: mx.array,
+    T: int,
+    ratio: int,
+    scale: float,
+) -> mx.array | None:
+    """The call on the masked-attention kernel where it takes it (`masked_sdpa_form`) and
+    covers the shapes, else None. The keep-masks here lie within the causal bound (RUNTIME.md
+    §8); the kernel does not rely on it."""
+    form = masked_sdpa_form(cplan.consumers[0], cplan.sdpa_mask, q.shape[2])
+    if form is None:
+        return None
+    from ..kernels.sdpa import kernel_env, sdpa_cuda, sdpa_unsupported
+
+    if not kernel_env():
+        return None
+    if sdpa_unsupported(q.dtype, q.shape[1], keys.shape[1], q.shape[-1]) is not None:
+        return None
+    mask = None
+    if form == "mask":
+        mask = sel.mask
+    elif form == "dense_mask":
+        mask = dense_keep_mask(sel.ids, sel.valid, positions, T, ratio)[None, None]
+    return sdpa_cuda(q, keys, values, positions, scale=scale, mask=mask)
 
 
 def _portable(

@@ -1,0 +1,265 @@
+//// kernel: attend
+// Dense attention of many query rows on tensor cores: the `sdpa` consumer on CUDA (RUNTIME.md
+// §8) with a causal mask or a boolean keep-mask. MLX's own SDPA has no fused path at head_dim
+// 256 with a mask; its fallback writes the whole [H, S, T] score matrix to memory.
+// q [1, H, S, D] bf16 (last axis contiguous); keys, values [1, HKV, cap, D] bf16 read in place;
+// pos [S] int32, the rows' positions; with QSA_MASK also mask [1, 1, S, T] bool (any strides)
+// -> out [1, H, S, D] bf16.
+// Causal (no QSA_MASK): row r sees the tokens t <= pos[r]. QSA_MASK: row r sees the tokens
+// t < T with mask[r, t]. A row that sees no token gives 0.
+// One CTA per (KV head j, tile of RT = 8 query rows), NW = G / 2 warps: warp w holds query heads
+// 2w and 2w + 1 of the tile's rows as one m16 tile (A rows 0..7: head 2w, rows 8..15: head
+// 2w + 1), so a lane's two accumulator rows belong to one query row and share its mask. Every
+// warp runs all STEP = 64 tokens of a stage (K/V staged by cp.async, NSTAGE = 2, tokens past the
+// range zero-filled): S = Q K^T with mma.sync m16n8k16 (bf16 in, float32 accumulate), an online
+// softmax in float32 (base 2), then O += P V with P rounded to bf16. With a mask, a lane loads
+// its row's mask bytes one stage ahead, and a stage no row of the tile sees is skipped.
+// Row tiles run from the last (the longest causal spans) to the first, KV head fastest.
+// Template: D, G, HKV, SCALE_BITS. G / 2 * 32 threads; dynamic shared memory:
+// NSTAGE x (K, V) x STEP x (D + 8) bf16, then the queries NW x 16 x (D + 8) bf16.
+constexpr int NW = G / 2, NT = NW * 32, RT = 8, STEP = 64, VS = D + 8, NTILE = D / 8;
+constexpr int NSTAGE = 2, CPT = D / 8;
+static_assert(G % 2 == 0 && NW >= 1 && NW <= 8, "G must be even, 2..16");
+static_assert(D % 16 == 0 && D <= 256, "D must be a multiple of 16, at most 256");
+extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
+__nv_bfloat16* kv_s = reinterpret_cast<__nv_bfloat16*>(qsa_dyn_smem);
+__nv_bfloat16* q_s = kv_s + NSTAGE * 2 * STEP * VS;
+const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+const int S = q_shape[2];
+const int n_rt = (S + RT - 1) / RT;
+const int j = blockIdx.x % HKV;
+const int r0 = (n_rt - 1 - (int)(blockIdx.x / HKV)) * RT;
+const int ar = lane >> 2, ak = 2 * (lane & 3);
+const int row = r0 + ar;
+const bool row_ok = row < S;
+
+// The tile's token range [0, kend): the mask's width, or past the furthest row's position.
+#ifdef QSA_MASK
+const int kend = mask_shape[3];
+const long long m_row = mask_strides[2], m_col = mask_strides[3];
+const bool* mrow = mask + (row_ok ? row : 0) * m_row;
+#else
+__shared__ int kend_s;
+const int p_row = row_ok ? pos[row * pos_strides[0]] : -1;
+if (tid == 0) {
+  int e = 0;
+  for (int r = r0; r < min(r0 + RT, S); ++r) e = max(e, pos[r * pos_strides[0]] + 1);
+  kend_s = e;
+}
+#endif
+
+// The warps' query tiles (rows past S zero).
+for (int c = tid; c < NW * 16 * CPT; c += NT) {
+  const int mr = c / CPT, dc = c % CPT;
+  const int w = mr >> 4, i = mr & 15;
+  const int h = j * G + 2 * w + (i >> 3), r = r0 + (i & 7);
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (r < S)
+    v = *reinterpret_cast<const uint4*>(q + (long long)h * q_strides[1] +
+                                        (long long)r * q_strides[2] + dc * 8);
+  *reinterpret_cast<uint4*>(q_s + mr * VS + dc * 8) = v;
+}
+__syncthreads();
+#ifndef QSA_MASK
+const int kend = kend_s;
+#endif
+
+const __nv_bfloat16* kg = keys + (long long)j * keys_strides[1];
+const __nv_bfloat16* vg = values + (long long)j * values_strides[1];
+const unsigned kv0 = (unsigned)__cvta_generic_to_shared(kv_s);
+auto load_stage = [&](int st, int t0) {
+  const unsigned dk0 = kv0 + st * 2 * STEP * VS * 2, dv0 = dk0 + STEP * VS * 2;
+  for (int c = tid; c < STEP * CPT; c += NT) {
+    const int t = c / CPT, dc = c % CPT;
+    const bool ok = t0 + t < kend;
+    const long long tok = ok ? t0 + t : 0;
+    const unsigned nbytes = ok ? 16u : 0u;  // 0: zero-fill (0 * garbage could be NaN)
+    const unsigned off = (t * VS + dc * 8) * 2;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dk0 + off),
+                 "l"(kg + tok * keys_strides[2] + dc * 8), "r"(nbytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dv0 + off),
+                 "l"(vg + tok * values_strides[2] + dc * 8), "r"(nbytes));
+  }
+};
+auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
+
+// Which of this lane's 16 score columns of stage s its row sees: bit 2 nt + e is the token
+// s * STEP + 8 nt + ak + e.
+auto visible = [&](int s) -> unsigned {
+  unsigned b = 0u;
+#pragma unroll
+  for (int nt = 0; nt < STEP / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = s * STEP + nt * 8 + ak + e;
+#ifdef QSA_MASK
+      const bool ok = row_ok && t < kend && mrow[t * m_col];
+#else
+      const bool ok = t <= p_row;
+#endif
+      b |= (unsigned)ok << (2 * nt + e);
+    }
+  return b;
+};
+
+const float sl2 = __int_as_float(SCALE_BITS) * 1.4426950408889634f;
+float o[NTILE][4];
+#pragma unroll
+for (int n = 0; n < NTILE; ++n)
+#pragma unroll
+  for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+float m0 = qsa::neg_inf(), m1 = qsa::neg_inf(), l0 = 0.f, l1 = 0.f;
+
+const int n_steps = (kend + STEP - 1) / STEP;
+if (n_steps > 0) load_stage(0, 0);
+commit();
+const unsigned qa_base =
+    (unsigned)__cvta_generic_to_shared(q_s + (warp * 16 + (lane & 15)) * VS + (lane >> 4) * 8);
+const unsigned kb_off = (((lane >> 4) * 8 + (lane & 7)) * VS + ((lane >> 3) & 1) * 8) * 2;
+const int mi = lane >> 3, li = lane & 7;
+const unsigned v_off = (((mi & 1) * 8 + li) * VS + (mi >> 1) * 8) * 2;
+#ifdef QSA_MASK
+unsigned vis_next = n_steps > 0 ? visible(0) : 0u;
+#endif
+for (int s = 0; s < n_steps; ++s) {
+  if (s + 1 < n_steps) load_stage((s + 1) % NSTAGE, (s + 1) * STEP);
+  commit();
+#ifdef QSA_MASK
+  const unsigned vis = vis_next;
+  if (s + 1 < n_steps) vis_next = visible(s + 1);  // its loads wait through this stage's math
+#else
+  const unsigned vis = visible(s);
+#endif
+  asm volatile("cp.async.wait_group 1;\n" ::);  // stage s has landed
+#ifdef QSA_MASK
+  const bool live = __syncthreads_or(vis != 0u);
+#else
+  __syncthreads();
+  const bool live = true;  // every token below kend is seen by the tile's furthest row
+#endif
+  if (live) {
+    const unsigned ks = kv0 + (s % NSTAGE) * 2 * STEP * VS * 2;
+    const unsigned vs = ks + STEP * VS * 2;
+    float sc[STEP / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < STEP / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned a[4];
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                   : "r"(qa_base + kk * 32));
+#pragma unroll
+      for (int np = 0; np < STEP / 16; ++np) {
+        unsigned b[4];  // n tiles 2 np, 2 np + 1 x the two k halves
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                     : "r"(ks + kb_off + np * 16 * VS * 2 + kk * 32));
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          asm volatile(
+              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+              "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+              : "+f"(sc[2 * np + h][0]), "+f"(sc[2 * np + h][1]), "+f"(sc[2 * np + h][2]),
+                "+f"(sc[2 * np + h][3])
+              : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[2 * h]), "r"(b[2 * h + 1]));
+      }
+    }
+    // mask, scale into base 2, online softmax per accumulator row
+    float mx0 = qsa::neg_inf(), mx1 = qsa::neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < STEP / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool ok = (vis >> (2 * nt + (e & 1))) & 1u;
+        sc[nt][e] = ok ? sc[nt][e] * sl2 : qsa::neg_inf();
+        if (e < 2) mx0 = fmaxf(mx0, sc[nt][e]);
+        else mx1 = fmaxf(mx1, sc[nt][e]);
+      }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(qsa::FULL_MASK, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(qsa::FULL_MASK, mx1, off));
+    }
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    // a row that has seen nothing yet keeps max -inf: measure from 0 (its weights are all 0)
+    const float b0 = n0 == qsa::neg_inf() ? 0.f : n0, b1 = n1 == qsa::neg_inf() ? 0.f : n1;
+    const float al0 = exp2f(m0 - b0), al1 = exp2f(m1 - b1);
+    m0 = n0;
+    m1 = n1;
+    float ps[STEP / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < STEP / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ps[nt][e] = exp2f(sc[nt][e] - (e < 2 ? b0 : b1));
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < STEP / 8; ++nt) {
+      s0 += ps[nt][0] + ps[nt][1];
+      s1 += ps[nt][2] + ps[nt][3];
+    }
+    l0 = l0 * al0 + s0;
+    l1 = l1 * al1 + s1;
+    if (__any_sync(qsa::FULL_MASK, al0 != 1.f || al1 != 1.f)) {  // x * 1 is exact: skip it
+#pragma unroll
+      for (int n = 0; n < NTILE; ++n) {
+        o[n][0] *= al0;
+        o[n][1] *= al0;
+        o[n][2] *= al1;
+        o[n][3] *= al1;
+      }
+    }
+#pragma unroll
+    for (int c2 = 0; c2 < STEP / 16; ++c2) {
+      // P as the A operand of a k16 step (the C layout of two n8 tiles is the A layout)
+      const unsigned pa0 = qsa::pack_bf2(ps[2 * c2][0], ps[2 * c2][1]);
+      const unsigned pa1 = qsa::pack_bf2(ps[2 * c2][2], ps[2 * c2][3]);
+      const unsigned pa2 = qsa::pack_bf2(ps[2 * c2 + 1][0], ps[2 * c2 + 1][1]);
+      const unsigned pa3 = qsa::pack_bf2(ps[2 * c2 + 1][2], ps[2 * c2 + 1][3]);
+      // V fragments by ldmatrix.trans: tokens 16 c2 + (mi % 2) * 8 + li, dims (mi / 2) * 8
+      const unsigned vrow = vs + v_off + c2 * 16 * VS * 2;
+#pragma unroll
+      for (int c = 0; c < D / 16; ++c) {
+        unsigned v0, v1, v2, v3;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                     : "r"(vrow + c * 32));
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(o[2 * c][0]), "+f"(o[2 * c][1]), "+f"(o[2 * c][2]), "+f"(o[2 * c][3])
+            : "r"(pa0), "r"(pa1), "r"(pa2), "r"(pa3), "r"(v0), "r"(v1));
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(o[2 * c + 1][0]), "+f"(o[2 * c + 1][1]), "+f"(o[2 * c + 1][2]),
+              "+f"(o[2 * c + 1][3])
+            : "r"(pa0), "r"(pa1), "r"(pa2), "r"(pa3), "r"(v2), "r"(v3));
+      }
+    }
+  }
+  __syncthreads();  // the next iteration refills this stage
+}
+asm volatile("cp.async.wait_group 0;\n" ::);
+
+// Row sums over the quad, then O / l straight from the registers.
+#pragma unroll
+for (int off = 1; off < 4; off <<= 1) {
+  l0 += __shfl_xor_sync(qsa::FULL_MASK, l0, off);
+  l1 += __shfl_xor_sync(qsa::FULL_MASK, l1, off);
+}
+if (row_ok) {
+  const float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  const int h0 = j * G + 2 * warp;
+  __nv_bfloat16* out0 = out + ((long long)h0 * S + row) * D + ak;
+  __nv_bfloat16* out1 = out0 + (long long)S * D;
+#pragma unroll
+  for (int n = 0; n < NTILE; ++n) {
+    *reinterpret_cast<__nv_bfloat162*>(out0 + n * 8) =
+        __floats2bfloat162_rn(o[n][0] * i0, o[n][1] * i0);
+    *reinterpret_cast<__nv_bfloat162*>(out1 + n * 8) =
+        __floats2bfloat162_rn(o[n][2] * i1, o[n][3] * i1);
+  }
+}
