@@ -164,6 +164,8 @@ def test_argument_errors_and_unsupported_shapes():
         sdpa_cuda(q, kv, kv, pos, scale=1 / 16, mask=mx.ones((1, 1, 3, 300), dtype=mx.bool_))
     with pytest.raises(ValueError, match="mask must have dtype"):
         sdpa_cuda(q, kv, kv, pos, scale=1 / 16, mask=mask.astype(mx.int32))
+    with pytest.raises(ValueError, match="at least one query row"):
+        sdpa_cuda(q[:, :, :0], kv, kv, pos[:0], scale=1 / 16)
     with pytest.raises(ValueError, match="scale must be a positive float"):
         sdpa_cuda(q, kv, kv, pos, scale=0.0)
     with pytest.raises(ValueError, match="keys head_dim"):

@@ -66,6 +66,8 @@ def sdpa_cuda(
     token gives 0."""
     fn = "sdpa_cuda"
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
+    if rows < 1:
+        raise ValueError(f"{fn}: q must hold at least one query row, got {list(q.shape)}")
     if positions.shape != (rows,) or positions.dtype != mx.int32:
         raise ValueError(
             f"{fn}: positions must be int32 [{rows}], got {list(positions.shape)} {positions.dtype}"
