@@ -62,9 +62,9 @@ def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch) -> dict:
     mx.eval(pos)
     rec: dict = {"rows": S, "prefix": P, "context": T}
     q, keys, values, mask = data[0]
-    a = sdpa_cuda(q, keys, values, pos, scale=SCALE, mask=mask)
+    a = sdpa_cuda(q, keys, values, pos, scale=SCALE, mask=mask, context=T)
     b = sdpa(q, keys, values, T, SCALE, mask=mask)
-    c = sdpa_cuda(q, keys, values, pos, scale=SCALE)
+    c = sdpa_cuda(q, keys, values, pos, scale=SCALE, context=T)
     d = sdpa(q, keys, values, T, SCALE, mask="causal")
 
     def rel(x, y):
@@ -75,10 +75,12 @@ def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch) -> dict:
     rec["mask_density"] = float(np.array(mask).mean())
     passes = {
         "cuda_mask": mlx_pass(
-            lambda i: sdpa_cuda(*data[i][:3], pos, scale=SCALE, mask=data[i][3]), sets
+            lambda i: sdpa_cuda(*data[i][:3], pos, scale=SCALE, mask=data[i][3], context=T), sets
         ),
         "mlx_mask": mlx_pass(lambda i: sdpa(*data[i][:3], T, SCALE, mask=data[i][3]), sets),
-        "cuda_causal": mlx_pass(lambda i: sdpa_cuda(*data[i][:3], pos, scale=SCALE), sets),
+        "cuda_causal": mlx_pass(
+            lambda i: sdpa_cuda(*data[i][:3], pos, scale=SCALE, context=T), sets
+        ),
         "mlx_causal": mlx_pass(lambda i: sdpa(*data[i][:3], T, SCALE, mask="causal"), sets),
     }
     if torch is not None:
@@ -129,7 +131,7 @@ def main() -> int:
     except ImportError:
         torch = None
     big = [(2048, 2048), (2048, 8192), (2048, 30720)]
-    small = [(8, 8192), (16, 8192), (32, 8192), (64, 8192), (128, 8192), (512, 8192)]
+    small = [(2, 8192), (4, 2048), (4, 8192), (8, 8192), (16, 8192), (64, 8192), (256, 8192)]
     pts = big + ([] if args.quick else small)
     doc = {
         "bench": "sdpa_ab",

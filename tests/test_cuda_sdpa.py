@@ -14,7 +14,14 @@ from test_cuda_decode import bf16, needs_cuda, to_np
 
 from mlx_qsa.consumers import masked_sdpa_form
 from mlx_qsa.consumers.sdpa import sdpa
-from mlx_qsa.kernels.sdpa import MIN_ROWS, sdpa_cuda, sdpa_unsupported, smem_bytes
+from mlx_qsa.kernels.sdpa import (
+    MAX_SPLIT,
+    MIN_ROWS,
+    sdpa_cuda,
+    sdpa_unsupported,
+    smem_bytes,
+    split_count,
+)
 
 
 def _inputs(rng, H, Hkv, d, S, P):
@@ -69,6 +76,8 @@ CASES = [
     (4, 1, 64, 41, 0),
     (16, 1, 256, 20, 300),  # 16 heads a KV head: eight warps
     (4, 2, 256, 24, 70),  # 2 heads a KV head: one warp
+    (24, 2, 256, 2, 9000),  # verify rows: one row tile, split 32 ways
+    (24, 2, 256, 5, 700),
 ]
 
 
@@ -105,7 +114,7 @@ def _keep_mask(rng, S, P, width, density, causal=True):
     else:
         keep |= (rng.random((S, width)) < 0.05) & (t < T)
     keep[:, 64:194] = False
-    keep[3] = False
+    keep[min(3, S - 1)] = False
     return keep
 
 
@@ -118,6 +127,7 @@ def _keep_mask(rng, S, P, width, density, causal=True):
         (24, 2, 256, 19, 800, 0.6, False),
         (8, 2, 128, 70, 400, 0.3, True),
         (16, 1, 256, 16, 1000, 0.1, False),
+        (24, 2, 256, 4, 6000, 0.1, True),
     ],
 )
 def test_keep_masks_match_float64_and_mlx_sdpa(H, Hkv, d, S, P, density, causal):
@@ -136,6 +146,44 @@ def test_keep_masks_match_float64_and_mlx_sdpa(H, Hkv, d, S, P, density, causal)
     assert _rel(got[:, rows], twin[:, rows]) <= 1e-2
     dense = sdpa_cuda(q, keys, values, pos, scale=scale, mask=mx.contiguous(mask))
     assert mx.array_equal(out, dense).item()
+
+
+@needs_cuda
+@pytest.mark.parametrize("masked", [False, True])
+def test_every_split_count_agrees(masked):
+    """One launch and split-K with 2 to 64 splits (most of them empty at 64: their partials
+    carry no weight) give the same attention; each form gives the same bits every run."""
+    rng = np.random.default_rng([89, masked])
+    S, P = 24, 1500
+    q, keys, values, pos = _inputs(rng, 24, 2, 256, S, P)
+    T, scale = P + S, 1 / 16
+    keep = _keep_mask(rng, S, P, T, 0.3) if masked else None
+    mask = mx.array(keep)[None, None] if masked else None
+    seen = keep if masked else np.arange(T)[None, :] <= np.arange(P, T)[:, None]
+    ref = _reference(q, keys, values, seen, scale)
+    outs = {}
+    for n in (1, 2, 8, MAX_SPLIT):
+        outs[n] = sdpa_cuda(q, keys, values, pos, scale=scale, mask=mask, nsplit=n)
+        _check_rows(to_np(outs[n])[0], ref, seen)
+        again = sdpa_cuda(q, keys, values, pos, scale=scale, mask=mask, nsplit=n)
+        assert mx.array_equal(outs[n], again).item()
+    for n in (2, 8, MAX_SPLIT):
+        assert _rel(to_np(outs[n])[0], to_np(outs[1])[0]) <= 1e-2
+
+
+@pytest.mark.parametrize(
+    "rows,n_kv,context,sms,want",
+    [
+        (2048, 2, 10240, 132, 1),  # 512 row tiles: a wave already
+        (4, 2, 8192, 132, 32),  # 128 stages: 32 splits keep 4 each (64 would keep 2)
+        (100, 2, 2090, 132, 8),  # 33 stages, 26 row tiles
+        (16, 2, 300, 132, 1),  # 5 stages: too few to split
+        (2, 2, 1 << 20, 132, MAX_SPLIT),  # capped
+        (264, 2, 65536, 132, 2),  # 66 tiles: two splits make the wave
+    ],
+)
+def test_split_count(rows, n_kv, context, sms, want):
+    assert split_count(rows, n_kv, context, sms) == want
 
 
 @needs_cuda
@@ -166,6 +214,8 @@ def test_argument_errors_and_unsupported_shapes():
         sdpa_cuda(q, kv, kv, pos, scale=1 / 16, mask=mask.astype(mx.int32))
     with pytest.raises(ValueError, match="at least one query row"):
         sdpa_cuda(q[:, :, :0], kv, kv, pos[:0], scale=1 / 16)
+    with pytest.raises(ValueError, match="nsplit must be a power of two up to 64"):
+        sdpa_cuda(q, kv, kv, pos, scale=1 / 16, nsplit=3)
     with pytest.raises(ValueError, match="scale must be a positive float"):
         sdpa_cuda(q, kv, kv, pos, scale=0.0)
     with pytest.raises(ValueError, match="keys head_dim"):
@@ -186,7 +236,8 @@ def test_argument_errors_and_unsupported_shapes():
         ("sdpa", "causal", 2048, "causal"),
         ("sdpa", "dense_mask", 33, "mask"),
         ("dense_mask", "dense_mask", 100, "dense_mask"),
-        ("sdpa", "dense_mask", MIN_ROWS - 1, None),  # short verifies keep MLX's SDPA
+        ("sdpa", "dense_mask", 4, "mask"),  # a verify of 4 rows below the gather lane's context
+        ("sdpa", "dense_mask", MIN_ROWS - 1, None),  # one row: MLX's SDPA
         ("sdpa", "causal", MIN_ROWS, "causal"),
         ("sdpa", "none", 2048, None),  # S = 1 decode has no mask
         ("sdpa", "token_list", 64, None),
@@ -216,7 +267,8 @@ def test_dispatch_hands_the_kernel_the_routed_mask(monkeypatch, set_switch, form
     keys, values = keys[:, :, :T], values[:, :, :T]  # MLX's SDPA reads every row it is given
     handed = []
 
-    def launcher(q, keys, values, positions, *, scale, mask=None):
+    def launcher(q, keys, values, positions, *, scale, mask=None, context=None):
+        assert context == T
         handed.append(mask)
         return sdpa(q, keys, values, T, scale, mask="causal" if mask is None else mask)
 

@@ -184,7 +184,7 @@ def _masked_sdpa_cuda(
         mask = sel.mask
     elif form == "dense_mask":
         mask = dense_keep_mask(sel.ids, sel.valid, positions, T, ratio)[None, None]
-    return sdpa_cuda(q, keys, values, positions, scale=scale, mask=mask)
+    return sdpa_cuda(q, keys, values, positions, scale=scale, mask=mask, context=T)
 
 
 def _portable(

@@ -15,7 +15,11 @@
 // softmax in float32 (base 2), then O += P V with P rounded to bf16. With a mask, a lane loads
 // its row's mask bytes one stage ahead, and a stage no row of the tile sees is skipped.
 // Row tiles run from the last (the longest causal spans) to the first, KV head fastest.
-// Template: D, G, HKV, SCALE_BITS. G / 2 * 32 threads; dynamic shared memory:
+// QSA_SPLIT (few rows: too few CTAs to fill the GPU): NSPLIT CTAs share a row tile, each taking
+// an even share of its token range in whole stages, and write split-K partials instead of out:
+// part_o [H * S, NSPLIT, D] float32 (sum of 2^(s - m) v), part_ml [H * S, NSPLIT, 2] (m in
+// natural-log units, l), which split_k_merge.cu merges (rows h * S + r, the layout of out).
+// Template: D, G, HKV, SCALE_BITS (+ NSPLIT). G / 2 * 32 threads; dynamic shared memory:
 // NSTAGE x (K, V) x STEP x (D + 8) bf16, then the queries NW x 16 x (D + 8) bf16.
 constexpr int NW = G / 2, NT = NW * 32, RT = 8, STEP = 64, VS = D + 8, NTILE = D / 8;
 constexpr int NSTAGE = 2, CPT = D / 8;
@@ -27,8 +31,13 @@ __nv_bfloat16* q_s = kv_s + NSTAGE * 2 * STEP * VS;
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int S = q_shape[2];
 const int n_rt = (S + RT - 1) / RT;
-const int j = blockIdx.x % HKV;
-const int r0 = (n_rt - 1 - (int)(blockIdx.x / HKV)) * RT;
+#ifdef QSA_SPLIT
+const int sp = blockIdx.x % NSPLIT, cta = blockIdx.x / NSPLIT;
+#else
+const int cta = blockIdx.x;
+#endif
+const int j = cta % HKV;
+const int r0 = (n_rt - 1 - cta / HKV) * RT;
 const int ar = lane >> 2, ak = 2 * (lane & 3);
 const int row = r0 + ar;
 const bool row_ok = row < S;
@@ -64,6 +73,13 @@ __syncthreads();
 const int kend = kend_s;
 #endif
 
+// This CTA's tokens [t_lo, t_hi): the tile's whole range, or its split's share of the stages.
+#ifdef QSA_SPLIT
+const int per_split = ((kend + STEP - 1) / STEP + NSPLIT - 1) / NSPLIT * STEP;
+const int t_lo = min(kend, sp * per_split), t_hi = min(kend, t_lo + per_split);
+#else
+const int t_lo = 0, t_hi = kend;
+#endif
 const __nv_bfloat16* kg = keys + (long long)j * keys_strides[1];
 const __nv_bfloat16* vg = values + (long long)j * values_strides[1];
 const unsigned kv0 = (unsigned)__cvta_generic_to_shared(kv_s);
@@ -71,7 +87,7 @@ auto load_stage = [&](int st, int t0) {
   const unsigned dk0 = kv0 + st * 2 * STEP * VS * 2, dv0 = dk0 + STEP * VS * 2;
   for (int c = tid; c < STEP * CPT; c += NT) {
     const int t = c / CPT, dc = c % CPT;
-    const bool ok = t0 + t < kend;
+    const bool ok = t0 + t < t_hi;
     const long long tok = ok ? t0 + t : 0;
     const unsigned nbytes = ok ? 16u : 0u;  // 0: zero-fill (0 * garbage could be NaN)
     const unsigned off = (t * VS + dc * 8) * 2;
@@ -84,18 +100,18 @@ auto load_stage = [&](int st, int t0) {
 auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
 
 // Which of this lane's 16 score columns of stage s its row sees: bit 2 nt + e is the token
-// s * STEP + 8 nt + ak + e.
+// t_lo + s * STEP + 8 nt + ak + e (tokens from t_hi on are another split's).
 auto visible = [&](int s) -> unsigned {
   unsigned b = 0u;
 #pragma unroll
   for (int nt = 0; nt < STEP / 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int t = s * STEP + nt * 8 + ak + e;
+      const int t = t_lo + s * STEP + nt * 8 + ak + e;
 #ifdef QSA_MASK
-      const bool ok = row_ok && t < kend && mrow[t * m_col];
+      const bool ok = row_ok && t < t_hi && mrow[t * m_col];
 #else
-      const bool ok = t <= p_row;
+      const bool ok = t < t_hi && t <= p_row;
 #endif
       b |= (unsigned)ok << (2 * nt + e);
     }
@@ -110,8 +126,8 @@ for (int n = 0; n < NTILE; ++n)
   for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
 float m0 = qsa::neg_inf(), m1 = qsa::neg_inf(), l0 = 0.f, l1 = 0.f;
 
-const int n_steps = (kend + STEP - 1) / STEP;
-if (n_steps > 0) load_stage(0, 0);
+const int n_steps = (t_hi - t_lo + STEP - 1) / STEP;
+if (n_steps > 0) load_stage(0, t_lo);
 commit();
 const unsigned qa_base =
     (unsigned)__cvta_generic_to_shared(q_s + (warp * 16 + (lane & 15)) * VS + (lane >> 4) * 8);
@@ -122,7 +138,7 @@ const unsigned v_off = (((mi & 1) * 8 + li) * VS + (mi >> 1) * 8) * 2;
 unsigned vis_next = n_steps > 0 ? visible(0) : 0u;
 #endif
 for (int s = 0; s < n_steps; ++s) {
-  if (s + 1 < n_steps) load_stage((s + 1) % NSTAGE, (s + 1) * STEP);
+  if (s + 1 < n_steps) load_stage((s + 1) % NSTAGE, t_lo + (s + 1) * STEP);
   commit();
 #ifdef QSA_MASK
   const unsigned vis = vis_next;
@@ -244,12 +260,31 @@ for (int s = 0; s < n_steps; ++s) {
 }
 asm volatile("cp.async.wait_group 0;\n" ::);
 
-// Row sums over the quad, then O / l straight from the registers.
+// Row sums over the quad, then O / l straight from the registers (or the split's partials).
 #pragma unroll
 for (int off = 1; off < 4; off <<= 1) {
   l0 += __shfl_xor_sync(qsa::FULL_MASK, l0, off);
   l1 += __shfl_xor_sync(qsa::FULL_MASK, l1, off);
 }
+#ifdef QSA_SPLIT
+if (row_ok) {
+  const long long rh0 = (long long)(j * G + 2 * warp) * S + row, rh1 = rh0 + S;
+  float* po0 = part_o + (rh0 * NSPLIT + sp) * D + ak;
+  float* po1 = part_o + (rh1 * NSPLIT + sp) * D + ak;
+#pragma unroll
+  for (int n = 0; n < NTILE; ++n) {
+    *reinterpret_cast<float2*>(po0 + n * 8) = make_float2(o[n][0], o[n][1]);
+    *reinterpret_cast<float2*>(po1 + n * 8) = make_float2(o[n][2], o[n][3]);
+  }
+  if ((lane & 3) == 0) {
+    constexpr float LN2 = 0.6931471805599453f;  // base-2 maxima to the merge's natural units
+    part_ml[(rh0 * NSPLIT + sp) * 2] = m0 == qsa::neg_inf() ? m0 : m0 * LN2;
+    part_ml[(rh0 * NSPLIT + sp) * 2 + 1] = l0;
+    part_ml[(rh1 * NSPLIT + sp) * 2] = m1 == qsa::neg_inf() ? m1 : m1 * LN2;
+    part_ml[(rh1 * NSPLIT + sp) * 2 + 1] = l1;
+  }
+}
+#else
 if (row_ok) {
   const float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
   const int h0 = j * G + 2 * warp;
@@ -263,3 +298,4 @@ if (row_ok) {
         __floats2bfloat162_rn(o[n][2] * i1, o[n][3] * i1);
   }
 }
+#endif

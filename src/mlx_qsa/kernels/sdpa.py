@@ -9,16 +9,32 @@ twin is `consumers.sdpa.sdpa` (MLX's SDPA), with the same token sets.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from . import _launch, device
 from .device import DeviceLimits
 
 _RT, _STEP, _NSTAGE = 8, 64, 2  # query rows per CTA, tokens per stage, stages (sdpa.cu)
+MAX_SPLIT = 64  # split-K CTAs of one row tile
+MIN_SPLIT_STAGES = 4  # stages a split keeps at least
 
-# Fewest query rows the kernel takes (`consumers.dispatch`): a CTA holds 8 rows of one KV
-# head and walks every token of the context alone, so short calls keep MLX's SDPA.
-MIN_ROWS = 16
+# Fewest query rows the kernel takes (`consumers.dispatch`); shorter calls keep MLX's SDPA.
+MIN_ROWS = 2
+
+
+def split_count(rows: int, n_kv: int, context: int, sm_count: int) -> int:
+    """Split-K CTAs per row tile (pure): 1 where the row tiles alone make a wave (the kernel's
+    shared memory holds one CTA an SM), else the power of two, at most ``MAX_SPLIT``, that
+    brings the CTAs up to a wave while every split keeps ``MIN_SPLIT_STAGES`` stages of the
+    ``context`` tokens."""
+    ctas = -(-rows // _RT) * n_kv
+    stages = -(-context // _STEP)
+    n = 1
+    while n < MAX_SPLIT and ctas * n < sm_count and stages >= 2 * n * MIN_SPLIT_STAGES:
+        n *= 2
+    return n
 
 
 def kernel_env() -> bool:
@@ -58,12 +74,19 @@ def sdpa_cuda(
     *,
     scale: float,
     mask: mx.array | None = None,
+    context: int | None = None,
+    nsplit: int | None = None,
 ) -> mx.array:
     """q `[1, H, S, d]` bf16, keys/values `[1, Hkv, cap, d]` (cache backings, read in place),
     positions int32 `[S]`; mask None (causal: row r sees the tokens `t <= positions[r]`) or a
     bool keep-mask `[1, 1, S, T]` with `T <= cap` (row r sees `t < T` where `mask[.., r, t]`;
     any strides, e.g. a slice of a wider mask) -> `[1, H, S, d]` bf16. A row that sees no
-    token gives 0."""
+    token gives 0.
+
+    `context`: the most tokens a row sees (the layer's T; default the mask's width, or the
+    backing's length): it sizes the split-K of calls with few rows (`split_count`), which then
+    take a second launch to merge (split_k_merge.cu). `nsplit` sets that split instead (a power
+    of two up to ``MAX_SPLIT``; 1: one launch), for tests and side-by-side timing."""
     fn = "sdpa_cuda"
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
     if rows < 1:
@@ -81,24 +104,70 @@ def sdpa_cuda(
             )
     if not scale > 0:
         raise ValueError(f"{fn}: scale must be a positive float, got {scale}")
+    if nsplit is not None and nsplit not in {2**i for i in range(MAX_SPLIT.bit_length())}:
+        raise ValueError(f"{fn}: nsplit must be a power of two up to {MAX_SPLIT}, got {nsplit}")
     _launch.require_cuda(fn)
     why = sdpa_unsupported(q.dtype, n_heads, n_kv, d)
     if why is not None:
         raise NotImplementedError(f"{fn}: {why}")
     g = n_heads // n_kv
     masked = mask is not None
-    kernel = _launch.build(
-        "sdpa.cu",
-        "attend",
-        ("q", "keys", "values", "pos") + (("mask",) if masked else ()),
-        ("out",),
-        ("mask",) if masked else ("causal",),
-        shared_memory=smem_bytes(d, g),
-        prefix="#define QSA_MASK\n" if masked else "",
-        template=(("D", d), ("G", g), ("HKV", n_kv), ("SCALE_BITS", _launch.float_bits(scale))),
-    )
-    n_cta = -(-rows // _RT) * n_kv
+    if context is None:
+        context = mask.shape[3] if masked else keys.shape[2]
+    if nsplit is None:
+        nsplit = split_count(rows, n_kv, context, device.sm_count())
     inputs = [q, keys, values, positions] + ([mask] if masked else [])
-    return _launch.single_output(kernel, (1, n_heads, rows, d), q.dtype, n_cta, g // 2 * 32)(
-        *inputs
+    return _plan(d, g, n_kv, rows, nsplit, masked, _launch.float_bits(scale))(*inputs)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(d: int, g: int, n_kv: int, rows: int, nsplit: int, masked: bool, scale_bits: int):
+    """The launch(es) of one call shape: the kernel writing `out`, or with `nsplit` > 1 its
+    split-K partials and the shared merge kernel."""
+    names = ("q", "keys", "values", "pos") + (("mask",) if masked else ())
+    template = (("D", d), ("G", g), ("HKV", n_kv), ("SCALE_BITS", scale_bits))
+    prefix = "#define QSA_MASK\n" if masked else ""
+    key = ("mask",) if masked else ("causal",)
+    n_cta = -(-rows // _RT) * n_kv
+    threads = g // 2 * 32
+    out_shape = (1, g * n_kv, rows, d)
+    if nsplit == 1:
+        kernel = _launch.build(
+            "sdpa.cu", "attend", names, ("out",), key, smem_bytes(d, g), prefix=prefix,
+            template=template,
+        )  # fmt: skip
+        return _launch.single_output(kernel, out_shape, mx.bfloat16, n_cta, threads)
+    partial = _launch.build(
+        "sdpa.cu", "attend", names, ("part_o", "part_ml"), key + ("split",), smem_bytes(d, g),
+        prefix=prefix + "#define QSA_SPLIT\n", template=template + (("NSPLIT", nsplit),),
+    )  # fmt: skip
+    merge = _launch.build(
+        "split_k_merge.cu",
+        "merge",
+        ("part_o", "part_ml"),
+        ("out",),
+        (),
+        template=(("D", d), ("NSPLIT", nsplit), ("NT", _launch.ATTN_THREADS)),
     )
+    R = g * n_kv * rows
+    part_shapes = [(R, nsplit, d), (R, nsplit, 2)]
+    grid = (n_cta * nsplit * threads, 1, 1)
+    merge_grid = (R * (d // _launch.merge_cols(d)) * _launch.ATTN_THREADS, 1, 1)
+
+    def run(*arrays: mx.array) -> mx.array:
+        part_o, part_ml = partial(
+            inputs=list(arrays),
+            grid=grid,
+            threadgroup=(threads, 1, 1),
+            output_shapes=part_shapes,
+            output_dtypes=[mx.float32, mx.float32],
+        )
+        return merge(
+            inputs=[part_o, part_ml],
+            grid=merge_grid,
+            threadgroup=(_launch.ATTN_THREADS, 1, 1),
+            output_shapes=[out_shape],
+            output_dtypes=[mx.bfloat16],
+        )[0]
+
+    return run
