@@ -236,13 +236,14 @@ def test_fused_output_gate_keeps_the_layer_bit_for_bit(spy, monkeypatch, set_swi
             )
 
 
-def test_masked_chunks_run_the_sdpa_kernel(spy, monkeypatch) -> None:
+def test_masked_chunks_run_the_sdpa_kernel(spy, monkeypatch, set_switch) -> None:
     """Chunks the router sends to `sdpa` with a causal mask or the indexer's keep-mask, or to
-    `dense_mask`: on CUDA the masked-attention kernel runs every one of 16 rows or more (the
-    5-row verify takes rows_gather), matching the oracle, with the portable path's selections."""
+    `dense_mask`: on CUDA the masked-attention kernel runs them all, matching the oracle, with
+    the portable path's selections (the 5-row verify routes to rows_gather)."""
     from mlx_qsa.kernels import sdpa as sdpa_kernel
 
     n_sdpa = _count_calls(monkeypatch, sdpa_kernel, "sdpa_cuda")
+    set_switch("MLX_QSA_SDPA_KERNEL", "1")
     widths = (40, 33, 20, 5, 1900, 100)
     x = hidden_rows(sum(widths), CFG.hidden_size)
     runs = {}

@@ -273,7 +273,7 @@ def test_dispatch_hands_the_kernel_the_routed_mask(monkeypatch, set_switch, form
         return sdpa(q, keys, values, T, scale, mask="causal" if mask is None else mask)
 
     monkeypatch.setattr(sdpa_kernel, "sdpa_cuda", launcher)
-    set_switch("MLX_QSA_SDPA_KERNEL", "0" if form == "switched_off" else None)
+    set_switch("MLX_QSA_SDPA_KERNEL", "0" if form == "switched_off" else "1")
     keep = mx.array(_keep_mask(rng, S, P, T, 0.2))[None, None]
     ids = mx.array(rng.integers(0, T // 4, (S, 512)).astype(np.int32))
     valid = mx.array(rng.random((S, 512)) < 0.5)
@@ -293,3 +293,14 @@ def test_dispatch_hands_the_kernel_the_routed_mask(monkeypatch, set_switch, form
     assert mx.array_equal(got, want, equal_nan=True).item()
     if form == "mask":
         assert handed[0] is keep
+
+
+def test_the_switch_overrides_the_default(set_switch):
+    from mlx_qsa.kernels.sdpa import DEFAULT_ON, kernel_env
+
+    set_switch("MLX_QSA_SDPA_KERNEL", None)
+    assert kernel_env() is DEFAULT_ON
+    set_switch("MLX_QSA_SDPA_KERNEL", "1")
+    assert kernel_env()
+    set_switch("MLX_QSA_SDPA_KERNEL", "0")
+    assert not kernel_env()

@@ -37,10 +37,15 @@ def split_count(rows: int, n_kv: int, context: int, sm_count: int) -> int:
     return n
 
 
+# Whether dispatch uses the kernel unless told: off until it has passed its GPU tests.
+DEFAULT_ON = False
+
+
 def kernel_env() -> bool:
-    """Whether `consumers.dispatch` runs the calls `masked_sdpa_form` picks on this kernel (the
-    default); ``MLX_QSA_SDPA_KERNEL=0`` leaves them to MLX's SDPA, for side-by-side timing."""
-    return _launch.env_switch("MLX_QSA_SDPA_KERNEL") != "0"
+    """Whether `consumers.dispatch` runs the calls `masked_sdpa_form` picks on this kernel:
+    ``MLX_QSA_SDPA_KERNEL=1`` / ``=0`` (side-by-side timing), else ``DEFAULT_ON``."""
+    v = _launch.env_switch("MLX_QSA_SDPA_KERNEL")
+    return DEFAULT_ON if v is None else v != "0"
 
 
 def smem_bytes(d: int, g: int) -> int:
