@@ -142,6 +142,12 @@ JOBS = {
         [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784), ("NSPLIT", 16)],
         "#define QSA_MASK\n#define QSA_SPLIT\n",
     ),
+    "sdpa_mask_causal": (
+        "sdpa.cu", "attend",
+        [("q", BF), ("keys", BF), ("values", BF), ("pos", "int32_t"), ("mask", "bool")],
+        [("out", BF)], [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784)],
+        "#define QSA_MASK\n#define QSA_MASK_CAUSAL\n",
+    ),
     "rope": (
         "rope.cu", "rope", [("x", BF), ("cos_t", "float"), ("sin_t", "float")], [("out", BF)],
         [("T", BF), ("RD", 64)], "",

@@ -39,8 +39,9 @@ def keep_mask(rng, S: int, P: int) -> mx.array:
         k = min(K, nb)
         ids[r, :k] = rng.choice(nb, k, replace=False) if nb > K else np.arange(k)
         valid[r, :k] = True
-    m = dense_keep_mask(mx.array(ids), mx.array(valid), mx.array(pos.astype(np.int32)), T, R)
-    return m[None, None]
+    width = -(-T // 4) * 4  # rows padded to 4 bytes, as consumers.dispatch makes them
+    m = dense_keep_mask(mx.array(ids), mx.array(valid), mx.array(pos.astype(np.int32)), width, R)
+    return m[None, None, :, :T]
 
 
 def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch) -> dict:
@@ -62,7 +63,7 @@ def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch) -> dict:
     mx.eval(pos)
     rec: dict = {"rows": S, "prefix": P, "context": T}
     q, keys, values, mask = data[0]
-    a = sdpa_cuda(q, keys, values, pos, scale=SCALE, mask=mask, context=T)
+    a = sdpa_cuda(q, keys, values, pos, scale=SCALE, mask=mask, context=T, within_causal=True)
     b = sdpa(q, keys, values, T, SCALE, mask=mask)
     c = sdpa_cuda(q, keys, values, pos, scale=SCALE, context=T)
     d = sdpa(q, keys, values, T, SCALE, mask="causal")
@@ -75,7 +76,10 @@ def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch) -> dict:
     rec["mask_density"] = float(np.array(mask).mean())
     passes = {
         "cuda_mask": mlx_pass(
-            lambda i: sdpa_cuda(*data[i][:3], pos, scale=SCALE, mask=data[i][3], context=T), sets
+            lambda i: sdpa_cuda(
+                *data[i][:3], pos, scale=SCALE, mask=data[i][3], context=T, within_causal=True
+            ),
+            sets,
         ),
         "mlx_mask": mlx_pass(lambda i: sdpa(*data[i][:3], T, SCALE, mask=data[i][3]), sets),
         "cuda_causal": mlx_pass(

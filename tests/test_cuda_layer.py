@@ -262,6 +262,12 @@ def test_masked_chunks_run_the_sdpa_kernel(spy, monkeypatch, set_switch) -> None
         sa, sb = _selection_arrays(a.seen.sel), _selection_arrays(b.seen.sel)
         for k in sa:
             np.testing.assert_array_equal(sa[k], sb[k], err_msg=f"S{a.S}@{a.P} {k}")
+        ya, yb = np.array(a.y.astype(mx.float32)), np.array(b.y.astype(mx.float32))
+        assert np.linalg.norm(ya - yb) <= 1e-2 * np.linalg.norm(yb), f"S{a.S}@{a.P}"
     for call in cuda.calls:
-        if call.S <= 300:  # the oracle's float64 attention of the long chunk takes minutes
+        # The oracle's float64 attention of the long chunk takes minutes; prefill blocks are
+        # checked against the oracle's float64 selection by test_prefill_chunks_run_the_kernels
+        # (here, on an H100, a near-tie at row 2087 fell the other way in float32, on both
+        # paths alike).
+        if call.S <= 300 and call.seen.sel.kind != "prefill_blocks":
             check_call(call, CFG, cuda.weights, mx.bfloat16)

@@ -140,6 +140,9 @@ def test_keep_masks_match_float64_and_mlx_sdpa(H, Hkv, d, S, P, density, causal)
     out = sdpa_cuda(q, keys, values, pos, scale=scale, mask=mask)
     got = to_np(out)[0]
     seen = keep[:, :T]
+    if causal:  # the bound the layer passes for its masks: the same tokens, the same bits
+        bounded = sdpa_cuda(q, keys, values, pos, scale=scale, mask=mask, within_causal=True)
+        assert mx.array_equal(out, bounded).item()
     _check_rows(got, _reference(q, keys, values, seen, scale), seen)
     twin = to_np(sdpa(q, keys, values, T, scale, mask=mask))[0]
     rows = seen.any(axis=1)  # MLX's softmax of a row with no token is NaN
@@ -267,8 +270,8 @@ def test_dispatch_hands_the_kernel_the_routed_mask(monkeypatch, set_switch, form
     keys, values = keys[:, :, :T], values[:, :, :T]  # MLX's SDPA reads every row it is given
     handed = []
 
-    def launcher(q, keys, values, positions, *, scale, mask=None, context=None):
-        assert context == T
+    def launcher(q, keys, values, positions, *, scale, mask=None, context=None, **kw):
+        assert context == T and kw == {"within_causal": True}
         handed.append(mask)
         return sdpa(q, keys, values, T, scale, mask="causal" if mask is None else mask)
 

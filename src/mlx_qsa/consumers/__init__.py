@@ -169,7 +169,8 @@ def _masked_sdpa_cuda(
 ) -> mx.array | None:
     """The call on the masked-attention kernel where it takes it (`masked_sdpa_form`) and
     covers the shapes, else None. The keep-masks here lie within the causal bound (RUNTIME.md
-    §8); the kernel does not rely on it."""
+    §8: selected blocks and the tail, both at or before the row's position), which spares the
+    kernel the stages past a row tile's furthest position."""
     form = masked_sdpa_form(cplan.consumers[0], cplan.sdpa_mask, q.shape[2])
     if form is None:
         return None
@@ -182,9 +183,12 @@ def _masked_sdpa_cuda(
     mask = None
     if form == "mask":
         mask = sel.mask
-    elif form == "dense_mask":
-        mask = dense_keep_mask(sel.ids, sel.valid, positions, T, ratio)[None, None]
-    return sdpa_cuda(q, keys, values, positions, scale=scale, mask=mask, context=T)
+    elif form == "dense_mask":  # rows padded to 4 bytes: the kernel reads the mask in words
+        width = -(-T // 4) * 4
+        mask = dense_keep_mask(sel.ids, sel.valid, positions, width, ratio)[None, None, :, :T]
+    return sdpa_cuda(
+        q, keys, values, positions, scale=scale, mask=mask, context=T, within_causal=True
+    )
 
 
 def _portable(

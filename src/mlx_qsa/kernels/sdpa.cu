@@ -6,7 +6,9 @@
 // pos [S] int32, the rows' positions; with QSA_MASK also mask [1, 1, S, T] bool (any strides)
 // -> out [1, H, S, D] bf16.
 // Causal (no QSA_MASK): row r sees the tokens t <= pos[r]. QSA_MASK: row r sees the tokens
-// t < T with mask[r, t]. A row that sees no token gives 0.
+// t < T with mask[r, t]; with QSA_MASK_CAUSAL the mask is known to lie within the causal bound
+// (every QSA keep-mask does), so no stage past the tile's furthest position is loaded. A row
+// that sees no token gives 0.
 // One CTA per (KV head j, tile of RT = 8 query rows), NW = G / 2 warps: warp w holds query heads
 // 2w and 2w + 1 of the tile's rows as one m16 tile (A rows 0..7: head 2w, rows 8..15: head
 // 2w + 1), so a lane's two accumulator rows belong to one query row and share its mask. Every
@@ -42,14 +44,22 @@ const int ar = lane >> 2, ak = 2 * (lane & 3);
 const int row = r0 + ar;
 const bool row_ok = row < S;
 
-// The tile's token range [0, kend): the mask's width, or past the furthest row's position.
+// The tile's token range [0, kend): past the furthest row's position (causal, or a mask that
+// lies within the causal bound: QSA_MASK_CAUSAL), at most the mask's width.
 #ifdef QSA_MASK
-const int kend = mask_shape[3];
 const long long m_row = mask_strides[2], m_col = mask_strides[3];
-const bool* mrow = mask + (row_ok ? row : 0) * m_row;
-#else
+// Lane L reads the mask bytes 16 (L % 4) .. + 15 of a stage in row L / 4 of the tile, as four
+// 4-byte words where the rows are 4-byte aligned, else byte by byte.
+const int ld_row = r0 + (lane >> 2);
+const bool* mload = mask + (ld_row < S ? ld_row : 0) * m_row;
+const bool words = m_col == 1 && m_row % 4 == 0 &&
+                   (reinterpret_cast<unsigned long long>(mask) & 3ull) == 0ull;
+#endif
+#if !defined(QSA_MASK) || defined(QSA_MASK_CAUSAL)
 __shared__ int kend_s;
+#ifndef QSA_MASK
 const int p_row = row_ok ? pos[row * pos_strides[0]] : -1;
+#endif
 if (tid == 0) {
   int e = 0;
   for (int r = r0; r < min(r0 + RT, S); ++r) e = max(e, pos[r * pos_strides[0]] + 1);
@@ -69,8 +79,12 @@ for (int c = tid; c < NW * 16 * CPT; c += NT) {
   *reinterpret_cast<uint4*>(q_s + mr * VS + dc * 8) = v;
 }
 __syncthreads();
-#ifndef QSA_MASK
+#if !defined(QSA_MASK)
 const int kend = kend_s;
+#elif defined(QSA_MASK_CAUSAL)
+const int kend = min(kend_s, (int)mask_shape[3]);
+#else
+const int kend = mask_shape[3];
 #endif
 
 // This CTA's tokens [t_lo, t_hi): the tile's whole range, or its split's share of the stages.
@@ -101,6 +115,42 @@ auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
 
 // Which of this lane's 16 score columns of stage s its row sees: bit 2 nt + e is the token
 // t_lo + s * STEP + 8 nt + ak + e (tokens from t_hi on are another split's).
+#ifdef QSA_MASK
+// The mask words of stage s (this lane's 16 bytes; 0 past t_hi or past the rows): loaded one
+// stage ahead and only unpacked then, so no stage waits for its mask.
+auto load_mask = [&](int s, unsigned (&w)[4]) {
+  const int tb = t_lo + s * STEP + (lane & 3) * 16;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int t = tb + 4 * k;
+    unsigned v = 0u;
+    if (ld_row < S) {
+      if (words && t + 4 <= t_hi) {
+        v = *reinterpret_cast<const unsigned*>(mload + t);
+      } else {
+        for (int b = 0; b < 4; ++b)
+          if (t + b < t_hi && mload[(long long)(t + b) * m_col]) v |= 1u << (8 * b);
+      }
+    }
+    w[k] = v;
+  }
+};
+// bool bytes (0 or 1) to bits: byte b of x lands on bit 24 + b of x * 0x01020408
+auto nibble = [](unsigned x) { return ((x & 0x01010101u) * 0x01020408u) >> 24; };
+auto visible = [&](const unsigned (&w)[4]) -> unsigned {
+  const unsigned mine = nibble(w[0]) | nibble(w[1]) << 4 | nibble(w[2]) << 8 | nibble(w[3]) << 12;
+  const int q0 = lane & ~3;  // the four lanes that read this lane's row
+  const unsigned lo = __shfl_sync(qsa::FULL_MASK, mine, q0) |
+                      __shfl_sync(qsa::FULL_MASK, mine, q0 + 1) << 16;
+  const unsigned hi = __shfl_sync(qsa::FULL_MASK, mine, q0 + 2) |
+                      __shfl_sync(qsa::FULL_MASK, mine, q0 + 3) << 16;
+  unsigned b = 0u;
+#pragma unroll
+  for (int nt = 0; nt < STEP / 8; ++nt)
+    b |= (((nt < 4 ? lo : hi) >> ((nt & 3) * 8 + ak)) & 3u) << (2 * nt);
+  return b;
+};
+#else
 auto visible = [&](int s) -> unsigned {
   unsigned b = 0u;
 #pragma unroll
@@ -108,15 +158,11 @@ auto visible = [&](int s) -> unsigned {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int t = t_lo + s * STEP + nt * 8 + ak + e;
-#ifdef QSA_MASK
-      const bool ok = row_ok && t < t_hi && mrow[t * m_col];
-#else
-      const bool ok = t < t_hi && t <= p_row;
-#endif
-      b |= (unsigned)ok << (2 * nt + e);
+      b |= (unsigned)(t < t_hi && t <= p_row) << (2 * nt + e);
     }
   return b;
 };
+#endif
 
 const float sl2 = __int_as_float(SCALE_BITS) * 1.4426950408889634f;
 float o[NTILE][4];
@@ -135,14 +181,15 @@ const unsigned kb_off = (((lane >> 4) * 8 + (lane & 7)) * VS + ((lane >> 3) & 1)
 const int mi = lane >> 3, li = lane & 7;
 const unsigned v_off = (((mi & 1) * 8 + li) * VS + (mi >> 1) * 8) * 2;
 #ifdef QSA_MASK
-unsigned vis_next = n_steps > 0 ? visible(0) : 0u;
+unsigned mw[4] = {0u, 0u, 0u, 0u};
+if (n_steps > 0) load_mask(0, mw);
 #endif
 for (int s = 0; s < n_steps; ++s) {
   if (s + 1 < n_steps) load_stage((s + 1) % NSTAGE, t_lo + (s + 1) * STEP);
   commit();
 #ifdef QSA_MASK
-  const unsigned vis = vis_next;
-  if (s + 1 < n_steps) vis_next = visible(s + 1);  // its loads wait through this stage's math
+  const unsigned vis = visible(mw);  // loaded during the previous stage
+  if (s + 1 < n_steps) load_mask(s + 1, mw);  // waited for only at the next stage
 #else
   const unsigned vis = visible(s);
 #endif

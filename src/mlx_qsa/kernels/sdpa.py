@@ -81,6 +81,7 @@ def sdpa_cuda(
     mask: mx.array | None = None,
     context: int | None = None,
     nsplit: int | None = None,
+    within_causal: bool = False,
 ) -> mx.array:
     """q `[1, H, S, d]` bf16, keys/values `[1, Hkv, cap, d]` (cache backings, read in place),
     positions int32 `[S]`; mask None (causal: row r sees the tokens `t <= positions[r]`) or a
@@ -91,7 +92,10 @@ def sdpa_cuda(
     `context`: the most tokens a row sees (the layer's T; default the mask's width, or the
     backing's length): it sizes the split-K of calls with few rows (`split_count`), which then
     take a second launch to merge (split_k_merge.cu). `nsplit` sets that split instead (a power
-    of two up to ``MAX_SPLIT``; 1: one launch), for tests and side-by-side timing."""
+    of two up to ``MAX_SPLIT``; 1: one launch), for tests and side-by-side timing.
+    `within_causal`: the caller knows `mask` keeps no token past its row's position (every QSA
+    keep-mask, RUNTIME.md §8), so a row tile's stages past its furthest position are skipped.
+    Masks whose rows are 4-byte aligned (as the layer's are) are read a word at a time."""
     fn = "sdpa_cuda"
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
     if rows < 1:
@@ -122,17 +126,24 @@ def sdpa_cuda(
     if nsplit is None:
         nsplit = split_count(rows, n_kv, context, device.sm_count())
     inputs = [q, keys, values, positions] + ([mask] if masked else [])
-    return _plan(d, g, n_kv, rows, nsplit, masked, _launch.float_bits(scale))(*inputs)
+    causal_mask = masked and within_causal
+    return _plan(d, g, n_kv, rows, nsplit, masked, causal_mask, _launch.float_bits(scale))(*inputs)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(d: int, g: int, n_kv: int, rows: int, nsplit: int, masked: bool, scale_bits: int):
+def _plan(
+    d: int, g: int, n_kv: int, rows: int, nsplit: int, masked: bool, causal_mask: bool,
+    scale_bits: int,
+):  # fmt: skip
     """The launch(es) of one call shape: the kernel writing `out`, or with `nsplit` > 1 its
     split-K partials and the shared merge kernel."""
     names = ("q", "keys", "values", "pos") + (("mask",) if masked else ())
     template = (("D", d), ("G", g), ("HKV", n_kv), ("SCALE_BITS", scale_bits))
     prefix = "#define QSA_MASK\n" if masked else ""
     key = ("mask",) if masked else ("causal",)
+    if causal_mask:
+        prefix += "#define QSA_MASK_CAUSAL\n"
+        key = ("maskcausal",)
     n_cta = -(-rows // _RT) * n_kv
     threads = g // 2 * 32
     out_shape = (1, g * n_kv, rows, d)
