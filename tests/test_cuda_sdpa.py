@@ -140,9 +140,10 @@ def test_keep_masks_match_float64_and_mlx_sdpa(H, Hkv, d, S, P, density, causal)
     out = sdpa_cuda(q, keys, values, pos, scale=scale, mask=mask)
     got = to_np(out)[0]
     seen = keep[:, :T]
-    if causal:  # the bound the layer passes for its masks: the same tokens, the same bits
+    if causal:  # the bound the layer passes for its masks: the same tokens (split-K shares
+        # the shorter range, so the sums may run in another order)
         bounded = sdpa_cuda(q, keys, values, pos, scale=scale, mask=mask, within_causal=True)
-        assert mx.array_equal(out, bounded).item()
+        _check_rows(to_np(bounded)[0], _reference(q, keys, values, seen, scale), seen)
     _check_rows(got, _reference(q, keys, values, seen, scale), seen)
     twin = to_np(sdpa(q, keys, values, T, scale, mask=mask))[0]
     rows = seen.any(axis=1)  # MLX's softmax of a row with no token is NaN
