@@ -126,19 +126,10 @@ for (int s = 0; s < n_steps; ++s) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       unsigned a[4], b[4];  // A: rows lane % 16, k half lane / 16; B: n tiles 0, 1 x k halves
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                   : "r"(qa_base + kk * 32));
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-                   : "r"(kb_base + kk * 32));
+      qsa::ldmatrix_x4(a, qa_base + kk * 32);
+      qsa::ldmatrix_x4(b, kb_base + kk * 32);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(sc[nt][0]), "+f"(sc[nt][1]), "+f"(sc[nt][2]), "+f"(sc[nt][3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[2 * nt]), "r"(b[2 * nt + 1]));
+      for (int nt = 0; nt < 2; ++nt) qsa::mma_16816(sc[nt], a, b[2 * nt], b[2 * nt + 1]);
     }
     // mask tokens past the list, scale into base 2, online softmax per row
     float mx0 = qsa::neg_inf(), mx1 = qsa::neg_inf();
@@ -178,10 +169,8 @@ for (int s = 0; s < n_steps; ++s) {
       }
     }
     // P as the A operand (the C layout of two n8 tiles is the A layout of one k16 step)
-    const unsigned pa0 = qsa::pack_bf2(ps[0][0], ps[0][1]);
-    const unsigned pa1 = qsa::pack_bf2(ps[0][2], ps[0][3]);
-    const unsigned pa2 = qsa::pack_bf2(ps[1][0], ps[1][1]);
-    const unsigned pa3 = qsa::pack_bf2(ps[1][2], ps[1][3]);
+    const unsigned pa[4] = {qsa::pack_bf2(ps[0][0], ps[0][1]), qsa::pack_bf2(ps[0][2], ps[0][3]),
+                            qsa::pack_bf2(ps[1][0], ps[1][1]), qsa::pack_bf2(ps[1][2], ps[1][3])};
     // V fragments: matrix lane / 8 of ldmatrix.x4.trans holds tokens (lane / 8 % 2) * 8 + i,
     // dims n0 + (lane / 16) * 8 .. + 7: b0, b1 of n tile 2c, then of n tile 2c + 1
     const int mi = lane >> 3, li = lane & 7;
@@ -189,21 +178,10 @@ for (int s = 0; s < n_steps; ++s) {
                                                             (mi >> 1) * 8);
 #pragma unroll
     for (int c = 0; c < D / 16; ++c) {
-      unsigned b0, b1, b2, b3;
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                   : "r"(vrow + c * 32));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-          : "+f"(o[2 * c][0]), "+f"(o[2 * c][1]), "+f"(o[2 * c][2]), "+f"(o[2 * c][3])
-          : "r"(pa0), "r"(pa1), "r"(pa2), "r"(pa3), "r"(b0), "r"(b1));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-          : "+f"(o[2 * c + 1][0]), "+f"(o[2 * c + 1][1]), "+f"(o[2 * c + 1][2]),
-            "+f"(o[2 * c + 1][3])
-          : "r"(pa0), "r"(pa1), "r"(pa2), "r"(pa3), "r"(b2), "r"(b3));
+      unsigned v[4];
+      qsa::ldmatrix_x4_trans(v, vrow + c * 32);
+      qsa::mma_16816(o[2 * c], pa, v[0], v[1]);
+      qsa::mma_16816(o[2 * c + 1], pa, v[2], v[3]);
     }
   }
   __syncthreads();  // a later iteration refills this stage

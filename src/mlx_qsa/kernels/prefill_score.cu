@@ -103,24 +103,19 @@ for (int t = t_begin; t < t_end; ++t) {
 #pragma unroll
       for (int pr = 0; pr < 2; ++pr) {
         const unsigned addr = kb_base + ((hf * 4 + pr * 2) * 8 * KS + ks * 16) * 2;
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(bf[2 * pr][0]), "=r"(bf[2 * pr][1]), "=r"(bf[2 * pr + 1][0]),
-                       "=r"(bf[2 * pr + 1][1])
-                     : "r"(addr));
+        unsigned r[4];
+        qsa::ldmatrix_x4(r, addr);
+        bf[2 * pr][0] = r[0];
+        bf[2 * pr][1] = r[1];
+        bf[2 * pr + 1][0] = r[2];
+        bf[2 * pr + 1][1] = r[3];
       }
 #pragma unroll
       for (int h = 0; h < HI; ++h) {
         unsigned a[4];
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                     : "r"(qa_base + (h * DI + ks * 16) * 2));
+        qsa::ldmatrix_x4(a, qa_base + (h * DI + ks * 16) * 2);
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-          asm volatile(
-              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-              "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-              : "+f"(acc[h][nt][0]), "+f"(acc[h][nt][1]), "+f"(acc[h][nt][2]), "+f"(acc[h][nt][3])
-              : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(bf[nt][0]), "r"(bf[nt][1]));
+        for (int nt = 0; nt < 4; ++nt) qsa::mma_16816(acc[h][nt], a, bf[nt][0], bf[nt][1]);
       }
     }
     // scores of rows A (e = 0, 1) and B (e = 2, 3); keys[i], i = 2 * nt + (e & 1), of this lane

@@ -211,23 +211,13 @@ for (int s = 0; s < n_steps; ++s) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       unsigned a[4];
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                   : "r"(qa_base + kk * 32));
+      qsa::ldmatrix_x4(a, qa_base + kk * 32);
 #pragma unroll
       for (int np = 0; np < STEP / 16; ++np) {
         unsigned b[4];  // n tiles 2 np, 2 np + 1 x the two k halves
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-                     : "r"(ks + kb_off + np * 16 * VS * 2 + kk * 32));
+        qsa::ldmatrix_x4(b, ks + kb_off + np * 16 * VS * 2 + kk * 32);
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          asm volatile(
-              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-              "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-              : "+f"(sc[2 * np + h][0]), "+f"(sc[2 * np + h][1]), "+f"(sc[2 * np + h][2]),
-                "+f"(sc[2 * np + h][3])
-              : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[2 * h]), "r"(b[2 * h + 1]));
+        for (int h = 0; h < 2; ++h) qsa::mma_16816(sc[2 * np + h], a, b[2 * h], b[2 * h + 1]);
       }
     }
     // mask, scale into base 2, online softmax per accumulator row
@@ -277,29 +267,18 @@ for (int s = 0; s < n_steps; ++s) {
 #pragma unroll
     for (int c2 = 0; c2 < STEP / 16; ++c2) {
       // P as the A operand of a k16 step (the C layout of two n8 tiles is the A layout)
-      const unsigned pa0 = qsa::pack_bf2(ps[2 * c2][0], ps[2 * c2][1]);
-      const unsigned pa1 = qsa::pack_bf2(ps[2 * c2][2], ps[2 * c2][3]);
-      const unsigned pa2 = qsa::pack_bf2(ps[2 * c2 + 1][0], ps[2 * c2 + 1][1]);
-      const unsigned pa3 = qsa::pack_bf2(ps[2 * c2 + 1][2], ps[2 * c2 + 1][3]);
+      const unsigned pa[4] = {qsa::pack_bf2(ps[2 * c2][0], ps[2 * c2][1]),
+                              qsa::pack_bf2(ps[2 * c2][2], ps[2 * c2][3]),
+                              qsa::pack_bf2(ps[2 * c2 + 1][0], ps[2 * c2 + 1][1]),
+                              qsa::pack_bf2(ps[2 * c2 + 1][2], ps[2 * c2 + 1][3])};
       // V fragments by ldmatrix.trans: tokens 16 c2 + (mi % 2) * 8 + li, dims (mi / 2) * 8
       const unsigned vrow = vs + v_off + c2 * 16 * VS * 2;
 #pragma unroll
       for (int c = 0; c < D / 16; ++c) {
-        unsigned v0, v1, v2, v3;
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
-                     : "r"(vrow + c * 32));
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(o[2 * c][0]), "+f"(o[2 * c][1]), "+f"(o[2 * c][2]), "+f"(o[2 * c][3])
-            : "r"(pa0), "r"(pa1), "r"(pa2), "r"(pa3), "r"(v0), "r"(v1));
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(o[2 * c + 1][0]), "+f"(o[2 * c + 1][1]), "+f"(o[2 * c + 1][2]),
-              "+f"(o[2 * c + 1][3])
-            : "r"(pa0), "r"(pa1), "r"(pa2), "r"(pa3), "r"(v2), "r"(v3));
+        unsigned v[4];
+        qsa::ldmatrix_x4_trans(v, vrow + c * 32);
+        qsa::mma_16816(o[2 * c], pa, v[0], v[1]);
+        qsa::mma_16816(o[2 * c + 1], pa, v[2], v[3]);
       }
     }
   }
