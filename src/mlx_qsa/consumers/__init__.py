@@ -48,6 +48,14 @@ def _attention_supports(q_dtype, k_dtype, n_heads: int, n_kv: int, d: int) -> bo
     return attention_unsupported(q_dtype, n_heads, n_kv, d) is None
 
 
+@functools.lru_cache(maxsize=64)
+def _sdpa_supports(dtype, n_heads: int, n_kv: int, d: int) -> bool:
+    """Whether the masked-attention kernel covers these shapes on this GPU (decided once)."""
+    from ..kernels.sdpa import sdpa_unsupported
+
+    return sdpa_unsupported(dtype, n_heads, n_kv, d) is None
+
+
 def output_gate(o: mx.array, gate: mx.array) -> mx.array:
     """The output gate on an attention output (QSA.md §9): o `[1, H, S, d]`, the gate's logits
     `[1, S, H, d]` -> `o ⊙ sigmoid(gate)` as `[1, S, H, d]`, in MLX's order (sigmoid of the bf16
@@ -174,11 +182,11 @@ def _masked_sdpa_cuda(
     form = masked_sdpa_form(cplan.consumers[0], cplan.sdpa_mask, q.shape[2])
     if form is None:
         return None
-    from ..kernels.sdpa import kernel_env, sdpa_cuda, sdpa_unsupported
+    from ..kernels.sdpa import kernel_env, sdpa_cuda
 
     if not kernel_env():
         return None
-    if sdpa_unsupported(q.dtype, q.shape[1], keys.shape[1], q.shape[-1]) is not None:
+    if not _sdpa_supports(q.dtype, q.shape[1], keys.shape[1], q.shape[-1]):
         return None
     mask = None
     if form == "mask":
