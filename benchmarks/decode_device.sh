@@ -19,7 +19,8 @@
 # decodeab: the 128K decode point three times in a row (run-to-run spread), distinct files
 # gate:    the fused output gate's GPU tests and the layer-step A/B (benchmarks/gate_ab.py)
 # sdpa:    the masked-attention kernel's tests, the CUDA layer's masked chunks, then
-#          benchmarks/sdpa_ab.py (kernel vs MLX's SDPA vs torch); sdpaquick: its 2048-row points
+#          benchmarks/sdpa_ab.py (kernel vs MLX's SDPA vs torch; sdpaquick: its 2048-row points)
+#          and benchmarks/sdpa_layer_ab.py (the whole layer, kernel on and off)
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
 # clocks, power and throttle reasons every 200 ms into smi.csv. TAR=1 packs $OUT into one file
 # (the device returns at most 8 a call).
@@ -70,6 +71,9 @@ for what in "$@"; do
       quick=""; [ "$what" = sdpaquick ] && quick="--quick"
       timeout 300 python3 benchmarks/sdpa_ab.py "$OUT/sdpa_ab_$GPU_TAG.json" $quick 2>&1 \
         | tee "$OUT/sdpa_ab.log" | tail -20
+      rc=$((rc | PIPESTATUS[0]))
+      timeout 200 python3 benchmarks/sdpa_layer_ab.py "$OUT/sdpa_layer_ab_$GPU_TAG.json" 2>&1 \
+        | tee "$OUT/sdpa_layer_ab.log" | tail -5
       rc=$((rc | PIPESTATUS[0])) ;;
     trace)
       start=$(date +%s)
