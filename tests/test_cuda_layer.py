@@ -236,10 +236,13 @@ def test_fused_output_gate_keeps_the_layer_bit_for_bit(spy, monkeypatch, set_swi
             )
 
 
-def test_masked_chunks_run_the_sdpa_kernel(spy, monkeypatch, set_switch) -> None:
+@pytest.mark.parametrize("gather_min_context", [0, 1 << 20])
+def test_masked_chunks_run_the_sdpa_kernel(spy, monkeypatch, set_switch, gather_min_context):
     """Chunks the router sends to `sdpa` with a causal mask or the indexer's keep-mask, or to
     `dense_mask`: on CUDA the masked-attention kernel runs them all, matching the oracle, with
-    the portable path's selections (the 5-row verify routes to rows_gather)."""
+    the portable path's selections. The 5-row verify routes to rows_gather, or, below the
+    gather lane's context (the library default's 16K, here all of them), to `sdpa` with a
+    keep-mask: the kernel's split-K form."""
     from mlx_qsa.kernels import sdpa as sdpa_kernel
 
     n_sdpa = _count_calls(monkeypatch, sdpa_kernel, "sdpa_cuda")
@@ -248,15 +251,21 @@ def test_masked_chunks_run_the_sdpa_kernel(spy, monkeypatch, set_switch) -> None
     x = hidden_rows(sum(widths), CFG.hidden_size)
     runs = {}
     for kernels in ("auto", "portable"):
-        opts = QSAOptions.trace(flash_min=1 << 30, prefill_gather=False, kernels=kernels)
+        opts = QSAOptions.trace(
+            flash_min=1 << 30,
+            prefill_gather=False,
+            kernels=kernels,
+            gather_min_context=gather_min_context,
+        )
         layer, w = build(CFG, options=opts)
         runs[kernels] = run = Run(layer, spy)
         run.weights = w
         run.feed_widths(x, widths)
     cuda, portable = runs["auto"], runs["portable"]
     firsts = [c.consumers[0] for c in cuda.calls]
-    assert firsts == ["sdpa", "sdpa", "sdpa", "rows_gather", "sdpa", "dense_mask"]
-    assert n_sdpa[0] == 5
+    verify = "rows_gather" if gather_min_context == 0 else "sdpa"
+    assert firsts == ["sdpa", "sdpa", "sdpa", verify, "sdpa", "dense_mask"]
+    assert n_sdpa[0] == firsts.count("sdpa") + 1
     for a, b in zip(cuda.calls, portable.calls, strict=True):
         assert a.seen.impl == "cuda" and b.seen.impl == "portable"
         sa, sb = _selection_arrays(a.seen.sel), _selection_arrays(b.seen.sel)
