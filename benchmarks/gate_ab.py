@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -20,36 +19,15 @@ import numpy as np
 
 from mlx_qsa import bench, sweep
 from mlx_qsa.config import QSAConfig, QSAOptions
-from mlx_qsa.kernels._launch import env_switch
 from mlx_qsa.layer import QSAAttention
 
-MODES = {"fused": None, "unfused": "0"}  # MLX_QSA_FUSE_GATE
+SWITCH = "MLX_QSA_FUSE_GATE"
+MODES = {"fused": None, "unfused": "0"}
 
 
 def set_mode(mode: str) -> None:
     """Switch the output gate's fusion for the next steps (MLX_QSA_FUSE_GATE, re-read)."""
-    value = MODES[mode]
-    if value is None:
-        os.environ.pop("MLX_QSA_FUSE_GATE", None)
-    else:
-        os.environ["MLX_QSA_FUSE_GATE"] = value
-    env_switch.cache_clear()
-
-
-def mode_passes(layer, xs, caches, rows: int, n: int) -> dict:
-    """Each mode's sync and queued pass over the rotated caches (the mode set inside the pass)."""
-    step = bench.decode_layer_step(layer, xs, caches, rows)
-    passes = {}
-    for mode in MODES:
-        for sync in (True, False):
-            one = bench.mlx_pass(step, n, sync_each=sync)
-
-            def timed(one=one, mode=mode) -> float:
-                set_mode(mode)
-                return one()
-
-            passes[f"{mode}{'' if sync else '_queued'}"] = timed
-    return passes
+    bench.set_switch(SWITCH, MODES[mode])
 
 
 def main() -> None:
@@ -91,7 +69,7 @@ def main() -> None:
                 rec["consumers"] = list(layer.last_call.consumers)
                 outs[mode] = np.array(y.view(mx.uint16))
             rec["same_bits"] = bool(np.array_equal(outs["fused"], outs["unfused"]))
-            passes = mode_passes(layer, xs, caches, rows, a.sets)
+            passes = bench.switched_passes(step, a.sets, SWITCH, MODES, queued=True)
             res = bench.time_in_turns(passes, a.warmup, a.repeats, a.settle)
             rec["timings"] = {k: v["median_us"] for k, v in res.items()}
             rec["samples_us"] = {k: v["samples_us"] for k, v in res.items()}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -20,19 +19,10 @@ import numpy as np
 
 from mlx_qsa import bench, sweep
 from mlx_qsa.config import QSAConfig, QSAOptions
-from mlx_qsa.kernels._launch import env_switch
 from mlx_qsa.layer import QSAAttention
 
-MODES = {"kernel": None, "mlx_sdpa": "0"}  # MLX_QSA_SDPA_KERNEL
-
-
-def set_mode(mode: str) -> None:
-    value = MODES[mode]
-    if value is None:
-        os.environ.pop("MLX_QSA_SDPA_KERNEL", None)
-    else:
-        os.environ["MLX_QSA_SDPA_KERNEL"] = value
-    env_switch.cache_clear()
+SWITCH = "MLX_QSA_SDPA_KERNEL"
+MODES = {"kernel": None, "mlx_sdpa": "0"}
 
 
 def main() -> None:
@@ -68,23 +58,15 @@ def main() -> None:
 
         rec = {"prefix": P, "rows": S, "consumers": {}}
         outs = {}
-        for mode in MODES:
-            set_mode(mode)
+        for mode, value in MODES.items():
+            bench.set_switch(SWITCH, value)
             y = step(0)
             mx.eval(y)
             rec["consumers"][mode] = list(layer.last_call.consumers)
             outs[mode] = np.array(y.astype(mx.float32))
         diff = np.linalg.norm(outs["kernel"] - outs["mlx_sdpa"])
         rec["rel_diff"] = float(diff / np.linalg.norm(outs["mlx_sdpa"]))
-        passes = {}
-        for mode in MODES:
-            one = bench.mlx_pass(step, a.sets)
-
-            def timed(one=one, mode=mode) -> float:
-                set_mode(mode)
-                return one()
-
-            passes[mode] = timed
+        passes = bench.switched_passes(step, a.sets, SWITCH, MODES)
         res = bench.time_in_turns(passes, a.warmup, a.repeats)
         rec["timings"] = {k: v["median_us"] for k, v in res.items()}
         rec["samples_us"] = {k: v["samples_us"] for k, v in res.items()}
@@ -96,7 +78,7 @@ def main() -> None:
             f"{rec['rel_diff']:.2e}",
             flush=True,
         )
-    set_mode("kernel")
+    bench.set_switch(SWITCH, None)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
 

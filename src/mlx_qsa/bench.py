@@ -99,6 +99,41 @@ def mlx_pass(
     return one_pass
 
 
+def set_switch(name: str, value: str | None) -> None:
+    """Set (None: unset) an ``MLX_QSA_*`` switch for the steps that follow (its cached read is
+    cleared), for A/B timing of two forms in one process."""
+    from .kernels._launch import env_switch
+
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    env_switch.cache_clear()
+
+
+def switched_passes(
+    step: Callable[[int], Any],
+    n_sets: int,
+    name: str,
+    modes: dict[str, str | None],
+    queued: bool = False,
+) -> dict[str, Callable[[], float]]:
+    """`mlx_pass` of `step` in each mode (switch `name` set to its value inside the pass, so the
+    modes can take turns), keyed by mode; with `queued` also each mode's queued pass
+    (`<mode>_queued`)."""
+    passes = {}
+    for mode, value in modes.items():
+        for sync in (True, False) if queued else (True,):
+            one = mlx_pass(step, n_sets, sync_each=sync)
+
+            def timed(one=one, value=value) -> float:
+                set_switch(name, value)
+                return one()
+
+            passes[mode if sync else f"{mode}_queued"] = timed
+    return passes
+
+
 def torch_pass(
     step: Callable[[int], Any],
     n_sets: int,
