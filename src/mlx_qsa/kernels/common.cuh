@@ -114,6 +114,25 @@ __device__ __forceinline__ unsigned pack_bf2(float lo, float hi) {
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
+// O += P V over one k16 step of 16 tokens, for an m16 tile of query rows and D value columns:
+// p0, p1 are the softmax weights of the step's two n8 score tiles in the mma C layout, rounded to
+// bf16 as the A operand (the C layout of two n8 tiles is the A layout of one k16 step); vrow is
+// this lane's ldmatrix.trans row address in the V tile (tokens (lane / 8 % 2) * 8 + lane % 8,
+// dims (lane / 16) * 8: b0, b1 of n tile 2c, then of n tile 2c + 1), 16 dims every 32 bytes.
+template <int D>
+__device__ __forceinline__ void pv_k16(float (&o)[D / 8][4], const float (&p0)[4],
+                                       const float (&p1)[4], unsigned vrow) {
+  const unsigned pa[4] = {pack_bf2(p0[0], p0[1]), pack_bf2(p0[2], p0[3]), pack_bf2(p1[0], p1[1]),
+                          pack_bf2(p1[2], p1[3])};
+#pragma unroll
+  for (int c = 0; c < D / 16; ++c) {
+    unsigned v[4];
+    ldmatrix_x4_trans(v, vrow + c * 32);
+    mma_16816(o[2 * c], pa, v[0], v[1]);
+    mma_16816(o[2 * c + 1], pa, v[2], v[3]);
+  }
+}
+
 // Adds 1 to hist[digit] for every active lane; lanes sharing a digit add once together
 // (radix digits of similar floats collide heavily). Every lane of the warp must call it.
 __device__ __forceinline__ void hist_add(unsigned* hist, unsigned digit, bool active) {

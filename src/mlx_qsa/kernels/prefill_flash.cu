@@ -168,21 +168,11 @@ for (int s = 0; s < n_steps; ++s) {
         o[n][3] *= al1;
       }
     }
-    // P as the A operand (the C layout of two n8 tiles is the A layout of one k16 step)
-    const unsigned pa[4] = {qsa::pack_bf2(ps[0][0], ps[0][1]), qsa::pack_bf2(ps[0][2], ps[0][3]),
-                            qsa::pack_bf2(ps[1][0], ps[1][1]), qsa::pack_bf2(ps[1][2], ps[1][3])};
-    // V fragments: matrix lane / 8 of ldmatrix.x4.trans holds tokens (lane / 8 % 2) * 8 + i,
-    // dims n0 + (lane / 16) * 8 .. + 7: b0, b1 of n tile 2c, then of n tile 2c + 1
+    // O += P V over the warp's 16 tokens
     const int mi = lane >> 3, li = lane & 7;
     const unsigned vrow = (unsigned)__cvta_generic_to_shared(vs + ((mi & 1) * 8 + li) * VS +
                                                             (mi >> 1) * 8);
-#pragma unroll
-    for (int c = 0; c < D / 16; ++c) {
-      unsigned v[4];
-      qsa::ldmatrix_x4_trans(v, vrow + c * 32);
-      qsa::mma_16816(o[2 * c], pa, v[0], v[1]);
-      qsa::mma_16816(o[2 * c + 1], pa, v[2], v[3]);
-    }
+    qsa::pv_k16<D>(o, ps[0], ps[1], vrow);
   }
   __syncthreads();  // a later iteration refills this stage
 }

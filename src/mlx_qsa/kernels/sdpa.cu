@@ -265,22 +265,8 @@ for (int s = 0; s < n_steps; ++s) {
       }
     }
 #pragma unroll
-    for (int c2 = 0; c2 < STEP / 16; ++c2) {
-      // P as the A operand of a k16 step (the C layout of two n8 tiles is the A layout)
-      const unsigned pa[4] = {qsa::pack_bf2(ps[2 * c2][0], ps[2 * c2][1]),
-                              qsa::pack_bf2(ps[2 * c2][2], ps[2 * c2][3]),
-                              qsa::pack_bf2(ps[2 * c2 + 1][0], ps[2 * c2 + 1][1]),
-                              qsa::pack_bf2(ps[2 * c2 + 1][2], ps[2 * c2 + 1][3])};
-      // V fragments by ldmatrix.trans: tokens 16 c2 + (mi % 2) * 8 + li, dims (mi / 2) * 8
-      const unsigned vrow = vs + v_off + c2 * 16 * VS * 2;
-#pragma unroll
-      for (int c = 0; c < D / 16; ++c) {
-        unsigned v[4];
-        qsa::ldmatrix_x4_trans(v, vrow + c * 32);
-        qsa::mma_16816(o[2 * c], pa, v[0], v[1]);
-        qsa::mma_16816(o[2 * c + 1], pa, v[2], v[3]);
-      }
-    }
+    for (int c2 = 0; c2 < STEP / 16; ++c2)  // O += P V, 16 tokens a k16 step
+      qsa::pv_k16<D>(o, ps[2 * c2], ps[2 * c2 + 1], vs + v_off + c2 * 16 * VS * 2);
   }
   __syncthreads();  // the next iteration refills this stage
 }
