@@ -48,10 +48,9 @@ const bool row_ok = row < S;
 // lies within the causal bound: QSA_MASK_CAUSAL), at most the mask's width.
 #ifdef QSA_MASK
 const long long m_row = mask_strides[2], m_col = mask_strides[3];
-// Lane L reads the mask bytes 16 (L % 4) .. + 15 of a stage in row L / 4 of the tile, as four
-// 4-byte words where the rows are 4-byte aligned, else byte by byte.
-const int ld_row = r0 + (lane >> 2);
-const bool* mload = mask + (ld_row < S ? ld_row : 0) * m_row;
+// A lane reads the mask bytes 16 (lane % 4) .. + 15 of a stage in its own row, as four 4-byte
+// words where the rows are 4-byte aligned, else byte by byte.
+const bool* mload = mask + (row_ok ? row : 0) * m_row;
 const bool words = m_col == 1 && m_row % 4 == 0 &&
                    (reinterpret_cast<unsigned long long>(mask) & 3ull) == 0ull;
 #endif
@@ -124,7 +123,7 @@ auto load_mask = [&](int s, unsigned (&w)[4]) {
   for (int k = 0; k < 4; ++k) {
     const int t = tb + 4 * k;
     unsigned v = 0u;
-    if (ld_row < S) {
+    if (row_ok) {
       if (words && t + 4 <= t_hi) {
         v = *reinterpret_cast<const unsigned*>(mload + t);
       } else {
