@@ -201,6 +201,7 @@ def build(
     )
 
 
+ATTN_THREADS = 256  # threads of the split-K attention CTAs (common.cuh partial_attention)
 MERGERS_MAX = 64  # CTAs that merge in a one-launch split-K kernel (common.cuh merge_when_done)
 
 
@@ -319,6 +320,10 @@ def plan_split_k(
     out_dtype,
     one_launch: bool,
     gate: bool = False,
+    section: str = "partial",
+    threads: int = ATTN_THREADS,
+    key: tuple = (),
+    prefix: str = "",
 ) -> Run:
     """The run of a split-K attention file's ``partial`` section over ``n_cta`` CTAs of
     ``ATTN_THREADS``, merging its ``rows`` x ``nsplit`` partials into ``out_shape``: in the
@@ -327,23 +332,27 @@ def plan_split_k(
 
     ``gate``: the run's last array is the output gate ``[1, S, H, d]`` and the merge writes
     ``o * sigmoid(gate)`` in that layout (``QSA_GATE``, gate.cuh); ``out_shape`` is then
-    ``[1, S, H, d]``."""
+    ``[1, S, H, d]``.
+
+    ``section``, ``threads``, ``key`` and ``prefix`` name the partial kernel's section, its
+    CTAs' threads, and what its build adds to its key and text (the split-K form of
+    ``sdpa.cu``'s kernel; the merge kernel is the same)."""
     d = out_shape[-1]
     part_shapes = [(rows, nsplit, d), (rows, nsplit, 2)]
     f32 = [mx.float32, mx.float32]
-    grid = (n_cta * ATTN_THREADS, 1, 1)
-    block = (ATTN_THREADS, 1, 1)
+    grid = (n_cta * threads, 1, 1)
+    block = (threads, 1, 1)
     gate_in = ("gate",) if gate else ()
     gate_def = "#define QSA_GATE\n" if gate else ""
     if one_launch:
         fused = build(
             filename,
-            "partial",
+            section,
             inputs + gate_in + ("ctr",),
             ("part_o", "part_ml", "out"),
-            ("fused",) + gate_in,
+            key + ("fused",) + gate_in,
             shared_memory=shared_memory,
-            prefix="#define QSA_FUSED\n" + gate_def,
+            prefix=prefix + "#define QSA_FUSED\n" + gate_def,
             template=template,
         )
         shapes = part_shapes + [out_shape]
@@ -360,8 +369,9 @@ def plan_split_k(
 
         return run_fused
     partial = build(
-        filename, "partial", inputs, ("part_o", "part_ml"), (), shared_memory, template=template
-    )
+        filename, section, inputs, ("part_o", "part_ml"), key, shared_memory, prefix=prefix,
+        template=template,
+    )  # fmt: skip
     merge_template = (("D", d), ("NSPLIT", nsplit), ("NT", ATTN_THREADS))
     merge = build(
         "split_k_merge.cu",
@@ -386,7 +396,7 @@ def plan_split_k(
         return merge(
             inputs=[part_o, part_ml] + arrays[n_in:],
             grid=merge_grid,
-            threadgroup=block,
+            threadgroup=(ATTN_THREADS, 1, 1),  # the merge kernel's own NT
             output_shapes=[out_shape],
             output_dtypes=[out_dtype],
         )[0]
@@ -447,9 +457,6 @@ def float_bits(x: float) -> int:
     import struct
 
     return struct.unpack("<i", struct.pack("<f", float(x)))[0]
-
-
-ATTN_THREADS = 256  # threads of the split-K attention CTAs (common.cuh partial_attention)
 
 
 def merge_cols(d: int) -> int:

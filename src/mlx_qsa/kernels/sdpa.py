@@ -136,7 +136,7 @@ def _plan(
     scale_bits: int,
 ):  # fmt: skip
     """The launch(es) of one call shape: the kernel writing `out`, or with `nsplit` > 1 its
-    split-K partials and the shared merge kernel."""
+    split-K partials and the shared merge kernel (`_launch.plan_split_k`)."""
     names = ("q", "keys", "values", "pos") + (("mask",) if masked else ())
     template = (("D", d), ("G", g), ("HKV", n_kv), ("SCALE_BITS", scale_bits))
     prefix = "#define QSA_MASK\n" if masked else ""
@@ -153,37 +153,20 @@ def _plan(
             template=template,
         )  # fmt: skip
         return _launch.single_output(kernel, out_shape, mx.bfloat16, n_cta, threads)
-    partial = _launch.build(
-        "sdpa.cu", "attend", names, ("part_o", "part_ml"), key + ("split",), smem_bytes(d, g),
-        prefix=prefix + "#define QSA_SPLIT\n", template=template + (("NSPLIT", nsplit),),
-    )  # fmt: skip
-    merge = _launch.build(
-        "split_k_merge.cu",
-        "merge",
-        ("part_o", "part_ml"),
-        ("out",),
-        (),
-        template=(("D", d), ("NSPLIT", nsplit), ("NT", _launch.ATTN_THREADS)),
+    run = _launch.plan_split_k(
+        "sdpa.cu",
+        names,
+        template + (("NSPLIT", nsplit),),
+        n_cta=n_cta * nsplit,
+        rows=g * n_kv * rows,
+        out_shape=out_shape,
+        nsplit=nsplit,
+        shared_memory=smem_bytes(d, g),
+        out_dtype=mx.bfloat16,
+        one_launch=False,
+        section="attend",
+        threads=threads,
+        key=key + ("split",),
+        prefix=prefix + "#define QSA_SPLIT\n",
     )
-    R = g * n_kv * rows
-    part_shapes = [(R, nsplit, d), (R, nsplit, 2)]
-    grid = (n_cta * nsplit * threads, 1, 1)
-    merge_grid = (R * (d // _launch.merge_cols(d)) * _launch.ATTN_THREADS, 1, 1)
-
-    def run(*arrays: mx.array) -> mx.array:
-        part_o, part_ml = partial(
-            inputs=list(arrays),
-            grid=grid,
-            threadgroup=(threads, 1, 1),
-            output_shapes=part_shapes,
-            output_dtypes=[mx.float32, mx.float32],
-        )
-        return merge(
-            inputs=[part_o, part_ml],
-            grid=merge_grid,
-            threadgroup=(_launch.ATTN_THREADS, 1, 1),
-            output_shapes=[out_shape],
-            output_dtypes=[mx.bfloat16],
-        )[0]
-
-    return run
+    return lambda *arrays: run(list(arrays))
