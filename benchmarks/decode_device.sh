@@ -18,6 +18,8 @@
 # tp1:     bench --tp 1 through mlx.launch --backend nccl (a group of one on this GPU)
 # decodeab: the 128K decode point three times in a row (run-to-run spread), distinct files
 # gate:    the fused output gate's GPU tests and the layer-step A/B (benchmarks/gate_ab.py)
+# ncusdpa: Nsight Compute sections of the sdpa kernel at 2048 rows after NCU_SDPA_PREFIX (8192),
+#          tilings NCU_SDPA_FORMS (64x2; e.g. "64x2 32x3 64x2_kv")
 # sdpa:    the masked-attention kernel's tests, the CUDA layer's masked chunks, then
 #          benchmarks/sdpa_ab.py (kernel vs MLX's SDPA vs torch; sdpaquick: its 2048-row points)
 #          and benchmarks/sdpa_layer_ab.py (the whole layer, kernel on and off)
@@ -69,12 +71,23 @@ for what in "$@"; do
         2>&1 | tee "$OUT/sdpa_tests.log" | tail -20
       rc=$((rc | PIPESTATUS[0]))
       quick=""; [ "$what" = sdpaquick ] && quick="--quick"
-      timeout 300 python3 benchmarks/sdpa_ab.py "$OUT/sdpa_ab_$GPU_TAG.json" $quick 2>&1 \
+      timeout 300 python3 benchmarks/sdpa_ab.py "$OUT/sdpa_ab_$GPU_TAG.json" $quick \
+        ${SDPA_AB_ARGS:-} 2>&1 \
         | tee "$OUT/sdpa_ab.log" | tail -20
       rc=$((rc | PIPESTATUS[0]))
       timeout 200 python3 benchmarks/sdpa_layer_ab.py "$OUT/sdpa_layer_ab_$GPU_TAG.json" 2>&1 \
         | tee "$OUT/sdpa_layer_ab.log" | tail -5
       rc=$((rc | PIPESTATUS[0])) ;;
+    ncusdpa)  # Nsight Compute sections of the sdpa kernel (NCU_SDPA_FORMS tilings, default 64x2)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      (cd benchmarks && MLX_USE_CUDA_GRAPHS=0 timeout 240 "$NCU" --clock-control none \
+        -k regex:qsa_attend --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        --section SchedulerStats --section LaunchStats --section InstructionStats \
+        python3 ncu_sdpa.py "${NCU_SDPA_PREFIX:-8192}" ${NCU_SDPA_FORMS:-64x2}) \
+        > "$OUT/ncu_sdpa.txt" 2>&1
+      echo "ncu sdpa rc $?"; grep -E "qsa_attend|Duration|Compute \(SM\) Th|Memory Through|L2 Hit|Achieved Occ|Registers Per|Issue Slots Busy|No Eligible|One or More" \
+        "$OUT/ncu_sdpa.txt" | head -80 ;;
     trace)
       start=$(date +%s)
       timeout 400 python3 -m mlx_qsa trace --out "$OUT/trace_gpu.jsonl" 2>&1 | tail -5

@@ -26,6 +26,9 @@ import sys
 import tempfile
 
 from mlx_qsa.kernels._launch import _CUDA_TYPES, constants, header_for, kernel_sections
+from mlx_qsa.kernels.sdpa import TILING, TILINGS
+
+SDPA_T = (("STEP", TILING.step), ("NSTAGE", TILING.nstage))
 
 _PRE = (
     "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n"
@@ -127,27 +130,40 @@ JOBS = {
     ),
     "sdpa_causal": (
         "sdpa.cu", "attend", [("q", BF), ("keys", BF), ("values", BF), ("pos", "int32_t")],
-        [("out", BF)], [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784)], "",
+        [("out", BF)], [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784), *SDPA_T], "",
     ),
     "sdpa_mask": (
         "sdpa.cu", "attend",
         [("q", BF), ("keys", BF), ("values", BF), ("pos", "int32_t"), ("mask", "bool")],
-        [("out", BF)], [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784)],
+        [("out", BF)], [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784), *SDPA_T],
         "#define QSA_MASK\n",
     ),
     "sdpa_split": (
         "sdpa.cu", "attend",
         [("q", BF), ("keys", BF), ("values", BF), ("pos", "int32_t"), ("mask", "bool")],
         [("part_o", "float"), ("part_ml", "float")],
-        [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784), ("NSPLIT", 16)],
+        [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784), *SDPA_T, ("NSPLIT", 16)],
         "#define QSA_MASK\n#define QSA_SPLIT\n",
     ),
     "sdpa_mask_causal": (
         "sdpa.cu", "attend",
         [("q", BF), ("keys", BF), ("values", BF), ("pos", "int32_t"), ("mask", "bool")],
-        [("out", BF)], [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784)],
+        [("out", BF)], [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784), *SDPA_T],
         "#define QSA_MASK\n#define QSA_MASK_CAUSAL\n",
     ),
+    # the other tilings benchmarks/sdpa_ab.py times (kernels.sdpa.TILINGS)
+    **{
+        f"sdpa_mask_causal_{t.step}x{t.nstage}{'_kv' if t.kv_split else ''}": (
+            "sdpa.cu", "attend",
+            [("q", BF), ("keys", BF), ("values", BF), ("pos", "int32_t"), ("mask", "bool")],
+            [("out", BF)],
+            [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784),
+             ("STEP", t.step), ("NSTAGE", t.nstage)],
+            "#define QSA_MASK\n#define QSA_MASK_CAUSAL\n"
+            + ("#define QSA_KV_SPLIT\n" if t.kv_split else ""),
+        )
+        for t in TILINGS[1:]
+    },
     "rope": (
         "rope.cu", "rope", [("x", BF), ("cos_t", "float"), ("sin_t", "float")], [("out", BF)],
         [("T", BF), ("RD", 64)], "",

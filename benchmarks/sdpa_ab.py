@@ -2,11 +2,13 @@
 SDPA (the portable path, which materialises the scores at head_dim 256) and torch's dense
 causal SDPA, in turns, at the real geometry (24 query heads, 2 KV heads, head_dim 256).
 
-    python3 benchmarks/sdpa_ab.py OUT.json [--quick]
+    python3 benchmarks/sdpa_ab.py OUT.json [--quick] [--tilings]
 
 Points: chunks of S rows after P tokens, with the indexer's keep-mask (512 random 4-token
 blocks of the visible ones per row plus its tail, `dense_keep_mask`) and causal. One `mx.eval`
 per step; `--sets` rotated K/V sets. Also the kernel's outputs against MLX's on every point.
+`--tilings`: also the kernel's other K/V streaming forms (`kernels.sdpa.TILINGS`), in the same
+turns, each checked against MLX's outputs too.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 from mlx_qsa.bench import mlx_pass, time_in_turns, torch_pass
 from mlx_qsa.consumers.sdpa import sdpa
 from mlx_qsa.indexer import dense_keep_mask
-from mlx_qsa.kernels.sdpa import sdpa_cuda
+from mlx_qsa.kernels.sdpa import TILING, TILINGS, Tiling, sdpa_cuda
 
 H, HKV, D, K, R = 24, 2, 256, 512, 4
 SCALE = 1 / 16
@@ -44,7 +46,11 @@ def keep_mask(rng, S: int, P: int) -> mx.array:
     return m[None, None, :, :T]
 
 
-def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch) -> dict:
+def tiling_name(t: Tiling) -> str:
+    return f"{t.step}x{t.nstage}" + ("_kv" if t.kv_split else "")
+
+
+def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch, tilings: tuple = ()) -> dict:
     rng = np.random.default_rng([S, P])
     T = P + S
     cap = -(-T // 256) * 256
@@ -73,6 +79,13 @@ def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch) -> dict:
         return float(np.linalg.norm(x - y) / np.linalg.norm(y))
 
     rec["rel_diff_vs_mlx"] = {"mask": rel(a, b), "causal": rel(c, d)}
+    for t in tilings:
+        a = sdpa_cuda(
+            q, keys, values, pos, scale=SCALE, mask=mask, context=T, within_causal=True, tiling=t
+        )
+        c = sdpa_cuda(q, keys, values, pos, scale=SCALE, context=T, tiling=t)
+        rec["rel_diff_vs_mlx"][f"mask_{tiling_name(t)}"] = rel(a, b)
+        rec["rel_diff_vs_mlx"][f"causal_{tiling_name(t)}"] = rel(c, d)
     rec["mask_density"] = float(np.array(mask).mean())
     passes = {
         "cuda_mask": mlx_pass(
@@ -87,6 +100,19 @@ def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch) -> dict:
         ),
         "mlx_causal": mlx_pass(lambda i: sdpa(*data[i][:3], T, SCALE, mask="causal"), sets),
     }
+    for t in tilings:
+
+        def mask_step(i, t=t):
+            return sdpa_cuda(
+                *data[i][:3], pos, scale=SCALE, mask=data[i][3], context=T, within_causal=True,
+                tiling=t,
+            )  # fmt: skip
+
+        def causal_step(i, t=t):
+            return sdpa_cuda(*data[i][:3], pos, scale=SCALE, context=T, tiling=t)
+
+        passes[f"cuda_mask_{tiling_name(t)}"] = mlx_pass(mask_step, sets)
+        passes[f"cuda_causal_{tiling_name(t)}"] = mlx_pass(causal_step, sets)
     if torch is not None:
         from torch.nn.attention.bias import causal_lower_right
         from torch.nn.functional import scaled_dot_product_attention as tsdpa
@@ -127,6 +153,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer points")
+    ap.add_argument("--tilings", action="store_true", help="also kernels.sdpa.TILINGS")
     args = ap.parse_args()
     try:
         import torch
@@ -145,11 +172,13 @@ def main() -> int:
         "versions": {"mlx": mx.__version__, "python": platform.python_version()},
         "geometry": {"H": H, "Hkv": HKV, "d": D, "K": K, "ratio": R},
         "points": [],
+        "tiling": tiling_name(TILING),
     }
     if torch is not None:
         doc["versions"]["torch"] = torch.__version__
     for S, P in pts:
-        rec = point(S, P, args.sets, args.warmup, args.repeats, torch)
+        others = tuple(t for t in TILINGS if t != TILING) if args.tilings else ()
+        rec = point(S, P, args.sets, args.warmup, args.repeats, torch, others)
         doc["points"].append(rec)
         t = {k: round(v["median_us"], 1) for k, v in rec["timings"].items()}
         print(S, P, t, {k: round(v, 2) for k, v in rec["ratios"].items()},

@@ -17,6 +17,9 @@ from mlx_qsa.consumers.sdpa import sdpa
 from mlx_qsa.kernels.sdpa import (
     MAX_SPLIT,
     MIN_ROWS,
+    TILING,
+    TILINGS,
+    Tiling,
     sdpa_cuda,
     sdpa_unsupported,
     smem_bytes,
@@ -175,6 +178,36 @@ def test_every_split_count_agrees(masked):
         assert _rel(to_np(outs[n])[0], to_np(outs[1])[0]) <= 1e-2
 
 
+@needs_cuda
+@pytest.mark.parametrize("tiling", TILINGS, ids=lambda t: f"{t.step}x{t.nstage}_kv{t.kv_split:d}")
+def test_every_tiling_matches_float64(tiling):
+    """Each K/V streaming form (32 or 64 tokens a stage, 2 to 4 slots, K and V in one cp.async
+    group or two): causal rows, a keep-mask within the causal bound read as words and a strided
+    one read byte by byte, one launch and split-K, all against float64."""
+    rng = np.random.default_rng([97, tiling.step, tiling.nstage, tiling.kv_split])
+    S, P = 45, 2100  # tokens not a multiple of either step; the row tiles' last one partial
+    q, keys, values, pos = _inputs(rng, 24, 2, 256, S, P)
+    T, scale = P + S, 1 / 16
+    causal = np.arange(T)[None, :] <= np.arange(P, T)[:, None]
+    keep = _keep_mask(rng, S, P, T + 3, 0.15)
+    ref_c = _reference(q, keys, values, causal, scale)
+    ref_m = _reference(q, keys, values, keep[:, :T], scale)
+    words = mx.array(np.pad(keep[:, :T], ((0, 0), (0, -T % 4))))[None, None, :, :T]
+    strided = mx.array(keep)[None, None, :, :T]  # rows T + 3 bytes apart: byte by byte
+    for nsplit in (1, 4):
+        out = sdpa_cuda(q, keys, values, pos, scale=scale, nsplit=nsplit, tiling=tiling)
+        _check_rows(to_np(out)[0], ref_c, causal)
+        for mask in (words, strided):
+            out = sdpa_cuda(
+                q, keys, values, pos, scale=scale, mask=mask, nsplit=nsplit, within_causal=True,
+                tiling=tiling,
+            )  # fmt: skip
+            _check_rows(to_np(out)[0], ref_m, keep[:, :T])
+    if tiling == TILING:
+        assert mx.array_equal(out, sdpa_cuda(q, keys, values, pos, scale=scale, mask=strided,
+                                              nsplit=4, within_causal=True)).item()  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "rows,n_kv,context,sms,want",
     [
@@ -188,6 +221,24 @@ def test_every_split_count_agrees(masked):
 )
 def test_split_count(rows, n_kv, context, sms, want):
     assert split_count(rows, n_kv, context, sms) == want
+    # 32-token stages: twice the stages, so a split keeps enough of them at half the context
+    assert split_count(rows, n_kv, context // 2, sms, step=32) == want
+
+
+def test_tilings_fit_and_are_refused_when_malformed():
+    """Every form timed side by side fits an H100's shared memory at the QSA geometry; a tiling
+    the kernel has no form for is refused by name before anything runs."""
+    for t in TILINGS:
+        assert sdpa_unsupported(mx.bfloat16, 24, 2, 256, tiling=t) is None, t
+    assert len(set(TILINGS)) == len(TILINGS) and TILINGS[0] == TILING
+    assert smem_bytes(256, 12, Tiling(32, 3)) == (3 * 2 * 32 + 6 * 16) * 264 * 2
+    assert "shared memory" in sdpa_unsupported(mx.bfloat16, 24, 2, 256, tiling=Tiling(64, 4))
+    q = bf16(np.zeros((1, 24, 3, 256)))
+    kv = bf16(np.zeros((1, 2, 256, 256)))
+    pos = mx.array([5, 6, 7], dtype=mx.int32)
+    for bad in (Tiling(48, 2), Tiling(64, 1), Tiling(32, 5)):
+        with pytest.raises(ValueError, match="tiling must have step 32 or 64 and nstage 2..4"):
+            sdpa_cuda(q, kv, kv, pos, scale=1 / 16, tiling=bad)
 
 
 @needs_cuda

@@ -12,21 +12,29 @@
 // One CTA per (KV head j, tile of RT = 8 query rows), NW = G / 2 warps: warp w holds query heads
 // 2w and 2w + 1 of the tile's rows as one m16 tile (A rows 0..7: head 2w, rows 8..15: head
 // 2w + 1), so a lane's two accumulator rows belong to one query row and share its mask. Every
-// warp runs all STEP = 64 tokens of a stage (K/V staged by cp.async, NSTAGE = 2, tokens past the
-// range zero-filled): S = Q K^T with mma.sync m16n8k16 (bf16 in, float32 accumulate), an online
-// softmax in float32 (base 2), then O += P V with P rounded to bf16. With a mask, a lane loads
-// its row's mask bytes one stage ahead, and a stage no row of the tile sees is skipped.
+// warp runs all STEP (32 or 64) tokens of a stage (K/V staged by cp.async through NSTAGE slots,
+// tokens past the range zero-filled): S = Q K^T with mma.sync m16n8k16 (bf16 in, float32
+// accumulate), an online softmax in float32 (base 2), then O += P V with P rounded to bf16. With
+// QSA_KV_SPLIT a stage's K and V are separate cp.async groups, so S = Q K^T waits for K only.
+// With a mask, a lane loads its row's mask bytes one stage ahead, and a stage no row of the tile
+// sees is skipped.
 // Row tiles run from the last (the longest causal spans) to the first, KV head fastest.
 // QSA_SPLIT (few rows: too few CTAs to fill the GPU): NSPLIT CTAs share a row tile, each taking
 // an even share of its token range in whole stages, and write split-K partials instead of out:
 // part_o [H * S, NSPLIT, D] float32 (sum of 2^(s - m) v), part_ml [H * S, NSPLIT, 2] (m in
 // natural-log units, l), which split_k_merge.cu merges (rows h * S + r, the layout of out).
-// Template: D, G, HKV, SCALE_BITS (+ NSPLIT). G / 2 * 32 threads; dynamic shared memory:
-// NSTAGE x (K, V) x STEP x (D + 8) bf16, then the queries NW x 16 x (D + 8) bf16.
-constexpr int NW = G / 2, NT = NW * 32, RT = 8, STEP = 64, VS = D + 8, NTILE = D / 8;
-constexpr int NSTAGE = 2, CPT = D / 8;
+// Template: D, G, HKV, SCALE_BITS, STEP, NSTAGE (+ NSPLIT). G / 2 * 32 threads; dynamic shared
+// memory: NSTAGE x (K, V) x STEP x (D + 8) bf16, then the queries NW x 16 x (D + 8) bf16.
+constexpr int NW = G / 2, NT = NW * 32, RT = 8, VS = D + 8, NTILE = D / 8, CPT = D / 8;
 static_assert(G % 2 == 0 && NW >= 1 && NW <= 8, "G must be even, 2..16");
 static_assert(D % 16 == 0 && D <= 256, "D must be a multiple of 16, at most 256");
+static_assert(STEP == 32 || STEP == 64, "STEP: 32 or 64 tokens a stage");
+static_assert(NSTAGE >= 2 && NSTAGE <= 4, "NSTAGE: 2..4 stage slots");
+#ifdef QSA_KV_SPLIT
+constexpr int GPS = 2;  // cp.async groups a stage: K, then V
+#else
+constexpr int GPS = 1;
+#endif
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 __nv_bfloat16* kv_s = reinterpret_cast<__nv_bfloat16*>(qsa_dyn_smem);
 __nv_bfloat16* q_s = kv_s + NSTAGE * 2 * STEP * VS;
@@ -48,8 +56,9 @@ const bool row_ok = row < S;
 // lies within the causal bound: QSA_MASK_CAUSAL), at most the mask's width.
 #ifdef QSA_MASK
 const long long m_row = mask_strides[2], m_col = mask_strides[3];
-// A lane reads the mask bytes 16 (lane % 4) .. + 15 of a stage in its own row, as four 4-byte
-// words where the rows are 4-byte aligned, else byte by byte.
+// A lane reads the mask bytes STEP / 4 (lane % 4) .. + STEP / 4 - 1 of a stage in its own row,
+// as NWD 4-byte words where the rows are 4-byte aligned, else byte by byte.
+constexpr int NWD = STEP / 16;
 const bool* mload = mask + (row_ok ? row : 0) * m_row;
 const bool words = m_col == 1 && m_row % 4 == 0 &&
                    (reinterpret_cast<unsigned long long>(mask) & 3ull) == 0ull;
@@ -95,32 +104,43 @@ const int t_lo = 0, t_hi = kend;
 #endif
 const __nv_bfloat16* kg = keys + (long long)j * keys_strides[1];
 const __nv_bfloat16* vg = values + (long long)j * values_strides[1];
+const int n_steps = (t_hi - t_lo + STEP - 1) / STEP;
 const unsigned kv0 = (unsigned)__cvta_generic_to_shared(kv_s);
-auto load_stage = [&](int st, int t0) {
-  const unsigned dk0 = kv0 + st * 2 * STEP * VS * 2, dv0 = dk0 + STEP * VS * 2;
+// One STEP-token tile of K or V (src, row stride) from token t0 into shared memory at dst.
+auto load_tile = [&](unsigned dst, const __nv_bfloat16* src, long long stride, int t0) {
   for (int c = tid; c < STEP * CPT; c += NT) {
     const int t = c / CPT, dc = c % CPT;
     const bool ok = t0 + t < t_hi;
     const long long tok = ok ? t0 + t : 0;
     const unsigned nbytes = ok ? 16u : 0u;  // 0: zero-fill (0 * garbage could be NaN)
-    const unsigned off = (t * VS + dc * 8) * 2;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dk0 + off),
-                 "l"(kg + tok * keys_strides[2] + dc * 8), "r"(nbytes));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dv0 + off),
-                 "l"(vg + tok * values_strides[2] + dc * 8), "r"(nbytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                     dst + (t * VS + dc * 8) * 2),
+                 "l"(src + tok * stride + dc * 8), "r"(nbytes));
   }
 };
 auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
+// Stage s into slot s % NSTAGE: GPS commit groups, empty past the last stage, so that every
+// wait below counts the same groups.
+auto issue = [&](int s) {
+  const bool any = s < n_steps;
+  const unsigned dk = kv0 + (s % NSTAGE) * 2 * STEP * VS * 2;
+  if (any) load_tile(dk, kg, keys_strides[2], t_lo + s * STEP);
+#ifdef QSA_KV_SPLIT
+  commit();
+#endif
+  if (any) load_tile(dk + STEP * VS * 2, vg, values_strides[2], t_lo + s * STEP);
+  commit();
+};
 
-// Which of this lane's 16 score columns of stage s its row sees: bit 2 nt + e is the token
+// Which of this lane's STEP / 4 score columns of stage s its row sees: bit 2 nt + e is the token
 // t_lo + s * STEP + 8 nt + ak + e (tokens from t_hi on are another split's).
 #ifdef QSA_MASK
-// The mask words of stage s (this lane's 16 bytes; 0 past t_hi or past the rows): loaded one
-// stage ahead and only unpacked then, so no stage waits for its mask.
-auto load_mask = [&](int s, unsigned (&w)[4]) {
-  const int tb = t_lo + s * STEP + (lane & 3) * 16;
+// The mask words of stage s (this lane's STEP / 4 bytes; 0 past t_hi or past the rows): loaded
+// one stage ahead and only unpacked then, so no stage waits for its mask.
+auto load_mask = [&](int s, unsigned (&w)[NWD]) {
+  const int tb = t_lo + s * STEP + (lane & 3) * (STEP / 4);
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
+  for (int k = 0; k < NWD; ++k) {
     const int t = tb + 4 * k;
     unsigned v = 0u;
     if (row_ok) {
@@ -136,17 +156,18 @@ auto load_mask = [&](int s, unsigned (&w)[4]) {
 };
 // bool bytes (0 or 1) to bits: byte b of x lands on bit 24 + b of x * 0x01020408
 auto nibble = [](unsigned x) { return ((x & 0x01010101u) * 0x01020408u) >> 24; };
-auto visible = [&](const unsigned (&w)[4]) -> unsigned {
-  const unsigned mine = nibble(w[0]) | nibble(w[1]) << 4 | nibble(w[2]) << 8 | nibble(w[3]) << 12;
+auto visible = [&](const unsigned (&w)[NWD]) -> unsigned {
+  unsigned mine = 0u;  // this lane's STEP / 4 tokens, one bit each
+#pragma unroll
+  for (int k = 0; k < NWD; ++k) mine |= nibble(w[k]) << (4 * k);
   const int q0 = lane & ~3;  // the four lanes that read this lane's row
-  const unsigned lo = __shfl_sync(qsa::FULL_MASK, mine, q0) |
-                      __shfl_sync(qsa::FULL_MASK, mine, q0 + 1) << 16;
-  const unsigned hi = __shfl_sync(qsa::FULL_MASK, mine, q0 + 2) |
-                      __shfl_sync(qsa::FULL_MASK, mine, q0 + 3) << 16;
+  unsigned long long all = 0ull;  // the row's STEP tokens
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    all |= (unsigned long long)__shfl_sync(qsa::FULL_MASK, mine, q0 + i) << (i * (STEP / 4));
   unsigned b = 0u;
 #pragma unroll
-  for (int nt = 0; nt < STEP / 8; ++nt)
-    b |= (((nt < 4 ? lo : hi) >> ((nt & 3) * 8 + ak)) & 3u) << (2 * nt);
+  for (int nt = 0; nt < STEP / 8; ++nt) b |= (unsigned)((all >> (nt * 8 + ak)) & 3ull) << (2 * nt);
   return b;
 };
 #else
@@ -171,28 +192,27 @@ for (int n = 0; n < NTILE; ++n)
   for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
 float m0 = qsa::neg_inf(), m1 = qsa::neg_inf(), l0 = 0.f, l1 = 0.f;
 
-const int n_steps = (t_hi - t_lo + STEP - 1) / STEP;
-if (n_steps > 0) load_stage(0, t_lo);
-commit();
+#pragma unroll
+for (int s = 0; s < NSTAGE - 1; ++s) issue(s);
 const unsigned qa_base =
     (unsigned)__cvta_generic_to_shared(q_s + (warp * 16 + (lane & 15)) * VS + (lane >> 4) * 8);
 const unsigned kb_off = (((lane >> 4) * 8 + (lane & 7)) * VS + ((lane >> 3) & 1) * 8) * 2;
 const int mi = lane >> 3, li = lane & 7;
 const unsigned v_off = (((mi & 1) * 8 + li) * VS + (mi >> 1) * 8) * 2;
 #ifdef QSA_MASK
-unsigned mw[4] = {0u, 0u, 0u, 0u};
+unsigned mw[NWD] = {};
 if (n_steps > 0) load_mask(0, mw);
 #endif
 for (int s = 0; s < n_steps; ++s) {
-  if (s + 1 < n_steps) load_stage((s + 1) % NSTAGE, t_lo + (s + 1) * STEP);
-  commit();
+  issue(s + NSTAGE - 1);
 #ifdef QSA_MASK
   const unsigned vis = visible(mw);  // loaded during the previous stage
   if (s + 1 < n_steps) load_mask(s + 1, mw);  // waited for only at the next stage
 #else
   const unsigned vis = visible(s);
 #endif
-  asm volatile("cp.async.wait_group 1;\n" ::);  // stage s has landed
+  // stage s (its K, with QSA_KV_SPLIT) has landed: at most GPS NSTAGE - 1 newer groups pend
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(GPS * NSTAGE - 1));
 #ifdef QSA_MASK
   const bool live = __syncthreads_or(vis != 0u);
 #else
@@ -263,6 +283,10 @@ for (int s = 0; s < n_steps; ++s) {
         o[n][3] *= al1;
       }
     }
+#ifdef QSA_KV_SPLIT
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(GPS * NSTAGE - 2));  // and its V
+    __syncthreads();  // live is the CTA's: every thread reaches this barrier or none
+#endif
 #pragma unroll
     for (int c2 = 0; c2 < STEP / 16; ++c2)  // O += P V, 16 tokens a k16 step
       qsa::pv_k16<D>(o, ps[2 * c2], ps[2 * c2 + 1], vs + v_off + c2 * 16 * VS * 2);

@@ -10,13 +10,29 @@ twin is `consumers.sdpa.sdpa` (MLX's SDPA), with the same token sets.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import mlx.core as mx
 
 from . import _launch, device
 from .device import DeviceLimits
 
-_RT, _STEP, _NSTAGE = 8, 64, 2  # query rows per CTA, tokens per stage, stages (sdpa.cu)
+_RT = 8  # query rows per CTA (sdpa.cu)
+
+
+class Tiling(NamedTuple):
+    """How the kernel streams K/V: `step` tokens a stage (32 or 64), `nstage` shared-memory
+    slots (2..4), `kv_split`: K and V as separate cp.async groups (Q K^T waits for K only)."""
+
+    step: int = 64
+    nstage: int = 2
+    kv_split: bool = False
+
+
+TILING = Tiling()  # what calls get unless told (`tiling=`)
+# The forms timed side by side on a GPU (benchmarks/sdpa_ab.py --tilings).
+TILINGS = (TILING, Tiling(64, 2, True), Tiling(32, 3), Tiling(32, 4), Tiling(32, 3, True))
+
 MAX_SPLIT = 64  # split-K CTAs of one row tile
 MIN_SPLIT_STAGES = 4  # stages a split keeps at least
 
@@ -24,13 +40,13 @@ MIN_SPLIT_STAGES = 4  # stages a split keeps at least
 MIN_ROWS = 2
 
 
-def split_count(rows: int, n_kv: int, context: int, sm_count: int) -> int:
+def split_count(rows: int, n_kv: int, context: int, sm_count: int, step: int = TILING.step) -> int:
     """Split-K CTAs per row tile (pure): 1 where the row tiles alone make a wave (the kernel's
     shared memory holds one CTA an SM), else the power of two, at most ``MAX_SPLIT``, that
-    brings the CTAs up to a wave while every split keeps ``MIN_SPLIT_STAGES`` stages of the
-    ``context`` tokens."""
+    brings the CTAs up to a wave while every split keeps ``MIN_SPLIT_STAGES`` stages of
+    ``step`` of the ``context`` tokens."""
     ctas = -(-rows // _RT) * n_kv
-    stages = -(-context // _STEP)
+    stages = -(-context // step)
     n = 1
     while n < MAX_SPLIT and ctas * n < sm_count and stages >= 2 * n * MIN_SPLIT_STAGES:
         n *= 2
@@ -48,13 +64,18 @@ def kernel_env() -> bool:
     return DEFAULT_ON if v is None else v != "0"
 
 
-def smem_bytes(d: int, g: int) -> int:
+def smem_bytes(d: int, g: int, tiling: Tiling = TILING) -> int:
     """Dynamic shared memory: the K/V stages, then the G / 2 warps' query tiles."""
-    return (_NSTAGE * 2 * _STEP + g // 2 * 16) * (d + 8) * 2
+    return (tiling.nstage * 2 * tiling.step + g // 2 * 16) * (d + 8) * 2
 
 
 def sdpa_unsupported(
-    dtype, n_heads: int, n_kv: int, d: int, limits: DeviceLimits | None = None
+    dtype,
+    n_heads: int,
+    n_kv: int,
+    d: int,
+    limits: DeviceLimits | None = None,
+    tiling: Tiling = TILING,
 ) -> str | None:
     """Why the kernel cannot take these shapes on this GPU (`limits`, by default MLX's, else
     an H100's), or None if it can."""
@@ -68,7 +89,7 @@ def sdpa_unsupported(
     if g % 2 != 0 or g > 16:
         return f"needs an even number of query heads per KV head, at most 16, got {g}"
     limits = device.resolve(limits) or device.HOPPER
-    return device.shared_memory_unsupported(limits, smem_bytes(d, g), "the sdpa kernel")
+    return device.shared_memory_unsupported(limits, smem_bytes(d, g, tiling), "the sdpa kernel")
 
 
 def sdpa_cuda(
@@ -82,6 +103,7 @@ def sdpa_cuda(
     context: int | None = None,
     nsplit: int | None = None,
     within_causal: bool = False,
+    tiling: Tiling | None = None,
 ) -> mx.array:
     """q `[1, H, S, d]` bf16, keys/values `[1, Hkv, cap, d]` (cache backings, read in place),
     positions int32 `[S]`; mask None (causal: row r sees the tokens `t <= positions[r]`) or a
@@ -95,7 +117,8 @@ def sdpa_cuda(
     of two up to ``MAX_SPLIT``; 1: one launch), for tests and side-by-side timing.
     `within_causal`: the caller knows `mask` keeps no token past its row's position (every QSA
     keep-mask, RUNTIME.md §8), so a row tile's stages past its furthest position are skipped.
-    Masks whose rows are 4-byte aligned (as the layer's are) are read a word at a time."""
+    Masks whose rows are 4-byte aligned (as the layer's are) are read a word at a time.
+    `tiling`: how K/V are streamed (default ``TILING``; the others for side-by-side timing)."""
     fn = "sdpa_cuda"
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
     if rows < 1:
@@ -115,8 +138,12 @@ def sdpa_cuda(
         raise ValueError(f"{fn}: scale must be a positive float, got {scale}")
     if nsplit is not None and nsplit not in {2**i for i in range(MAX_SPLIT.bit_length())}:
         raise ValueError(f"{fn}: nsplit must be a power of two up to {MAX_SPLIT}, got {nsplit}")
+    if tiling is None:
+        tiling = TILING
+    elif tiling.step not in (32, 64) or not 2 <= tiling.nstage <= 4:
+        raise ValueError(f"{fn}: tiling must have step 32 or 64 and nstage 2..4, got {tiling}")
     _launch.require_cuda(fn)
-    why = sdpa_unsupported(q.dtype, n_heads, n_kv, d)
+    why = sdpa_unsupported(q.dtype, n_heads, n_kv, d, tiling=tiling)
     if why is not None:
         raise NotImplementedError(f"{fn}: {why}")
     g = n_heads // n_kv
@@ -124,32 +151,37 @@ def sdpa_cuda(
     if context is None:
         context = mask.shape[3] if masked else keys.shape[2]
     if nsplit is None:
-        nsplit = split_count(rows, n_kv, context, device.sm_count())
+        nsplit = split_count(rows, n_kv, context, device.sm_count(), tiling.step)
     inputs = [q, keys, values, positions] + ([mask] if masked else [])
     causal_mask = masked and within_causal
-    return _plan(d, g, n_kv, rows, nsplit, masked, causal_mask, _launch.float_bits(scale))(*inputs)
+    bits = _launch.float_bits(scale)
+    return _plan(d, g, n_kv, rows, nsplit, masked, causal_mask, bits, tiling)(*inputs)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(
     d: int, g: int, n_kv: int, rows: int, nsplit: int, masked: bool, causal_mask: bool,
-    scale_bits: int,
+    scale_bits: int, tiling: Tiling,
 ):  # fmt: skip
     """The launch(es) of one call shape: the kernel writing `out`, or with `nsplit` > 1 its
     split-K partials and the shared merge kernel (`_launch.plan_split_k`)."""
     names = ("q", "keys", "values", "pos") + (("mask",) if masked else ())
     template = (("D", d), ("G", g), ("HKV", n_kv), ("SCALE_BITS", scale_bits))
+    template += (("STEP", tiling.step), ("NSTAGE", tiling.nstage))
     prefix = "#define QSA_MASK\n" if masked else ""
     key = ("mask",) if masked else ("causal",)
     if causal_mask:
         prefix += "#define QSA_MASK_CAUSAL\n"
         key = ("maskcausal",)
+    if tiling.kv_split:
+        prefix += "#define QSA_KV_SPLIT\n"
+        key += ("kvsplit",)
     n_cta = -(-rows // _RT) * n_kv
     threads = g // 2 * 32
     out_shape = (1, g * n_kv, rows, d)
     if nsplit == 1:
         kernel = _launch.build(
-            "sdpa.cu", "attend", names, ("out",), key, smem_bytes(d, g), prefix=prefix,
+            "sdpa.cu", "attend", names, ("out",), key, smem_bytes(d, g, tiling), prefix=prefix,
             template=template,
         )  # fmt: skip
         return _launch.single_output(kernel, out_shape, mx.bfloat16, n_cta, threads)
@@ -161,7 +193,7 @@ def _plan(
         rows=g * n_kv * rows,
         out_shape=out_shape,
         nsplit=nsplit,
-        shared_memory=smem_bytes(d, g),
+        shared_memory=smem_bytes(d, g, tiling),
         out_dtype=mx.bfloat16,
         one_launch=False,
         section="attend",
