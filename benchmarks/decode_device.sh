@@ -18,6 +18,8 @@
 # tp1:     bench --tp 1 through mlx.launch --backend nccl (a group of one on this GPU)
 # decodeab: the 128K decode point three times in a row (run-to-run spread), distinct files
 # gate:    the fused output gate's GPU tests and the layer-step A/B (benchmarks/gate_ab.py)
+# shared:  prefill_flash over shared tiles: test_cuda_prefill.py, then benchmarks/prefill_shared_ab.py
+#          (per row vs shared tiles vs torch at drifting selection overlaps; SHARED_PREFIXES)
 # ncusdpa: Nsight Compute sections of the sdpa kernel at 2048 rows after NCU_SDPA_PREFIX (8192),
 #          tilings NCU_SDPA_FORMS (64x2; e.g. "64x2 32x3 64x2_kv")
 # sdpa:    the masked-attention kernel's tests, the CUDA layer's masked chunks, then
@@ -77,6 +79,13 @@ for what in "$@"; do
       rc=$((rc | PIPESTATUS[0]))
       timeout 200 python3 benchmarks/sdpa_layer_ab.py "$OUT/sdpa_layer_ab_$GPU_TAG.json" 2>&1 \
         | tee "$OUT/sdpa_layer_ab.log" | tail -5
+      rc=$((rc | PIPESTATUS[0])) ;;
+    shared)  # prefill_flash over shared tiles: the prefill kernels' tests, then the A/B
+      timeout 300 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_prefill.py \
+        2>&1 | tee "$OUT/shared_tests.log" | tail -20
+      rc=$((rc | PIPESTATUS[0]))
+      timeout 280 python3 benchmarks/prefill_shared_ab.py "$OUT/prefill_shared_ab_$GPU_TAG.json" \
+        --prefixes "${SHARED_PREFIXES:-32768,131072}" 2>&1 | tee "$OUT/prefill_shared_ab.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     ncusdpa)  # Nsight Compute sections of the sdpa kernel (NCU_SDPA_FORMS tilings, default 64x2)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

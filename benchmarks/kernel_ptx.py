@@ -128,6 +128,27 @@ JOBS = {
         [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4),
          ("SCALE_BITS", 1031798784)], "",
     ),
+    "prefill_flash_skip": (
+        "prefill_flash.cu", "attend",
+        [("q", BF), ("keys", BF), ("values", BF), ("ids", "int32_t"), ("valid", "bool"),
+         ("pos", "int32_t"), ("counts", "int32_t")], [("out", BF)],
+        [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4),
+         ("SCALE_BITS", 1031798784), ("LIMIT", 1024)], "#define QSA_TILE_SKIP\n",
+    ),
+    "tile_union": (
+        "prefill_flash.cu", "tile_union",
+        [("ids", "int32_t"), ("valid", "bool"), ("pos", "int32_t"), ("keys", BF)],
+        [("lists", "int32_t"), ("counts", "int32_t")],
+        [("K", 512), ("RATIO", 4), ("NKEYS", 8192), ("NT", 512)], "",
+    ),
+    "sdpa_list": (
+        "sdpa.cu", "attend",
+        [("q", BF), ("keys", BF), ("values", BF), ("pos", "int32_t"), ("lists", "int32_t"),
+         ("counts", "int32_t")],
+        [("out", BF)],
+        [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784), *SDPA_T,
+         ("LIMIT", 1024), ("RATIO", 4), ("NE", 4104)], "#define QSA_LIST\n",
+    ),
     "sdpa_causal": (
         "sdpa.cu", "attend", [("q", BF), ("keys", BF), ("values", BF), ("pos", "int32_t")],
         [("out", BF)], [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784), *SDPA_T], "",

@@ -12,7 +12,15 @@ import pytest
 from test_cuda_decode import bf16, make_selector_inputs, needs_cuda, ref_adj, ref_select, to_np
 
 from mlx_qsa.consumers.prefill import prefill_flash
-from mlx_qsa.kernels.prefill_flash import prefill_flash_cuda, prefill_flash_unsupported
+from mlx_qsa.kernels.prefill_flash import (
+    RT,
+    prefill_flash_cuda,
+    prefill_flash_unsupported,
+    shared_unsupported,
+    tile_limit,
+    tile_union_cuda,
+    union_keys,
+)
 from mlx_qsa.kernels.prefill_score import prefill_scores_cuda, select_prefill_cuda
 from mlx_qsa.kernels.selector import select_blocks_portable
 
@@ -96,9 +104,11 @@ def test_scores_plane_and_summaries():
 # prefill_flash attention
 
 
-def _flash_inputs(rng, H, Hkv, d, K, ratio, positions):
+def _flash_inputs(rng, H, Hkv, d, K, ratio, positions, choose=None):
     """Random q, K/V backings and per-row selections in a random order; every token no row
-    lists is NaN (a kernel that read one would show it), invalid entries hold garbage ids."""
+    lists is NaN (a kernel that read one would show it), invalid entries hold garbage ids.
+    `choose(r, nb, keff)`: row r's keff distinct blocks of its nb visible ones (default: a
+    random draw)."""
     S = len(positions)
     T = int(positions.max()) + 1
     cap = -(-T // 256) * 256
@@ -111,7 +121,10 @@ def _flash_inputs(rng, H, Hkv, d, K, ratio, positions):
     for r, p in enumerate(positions):
         nb = (p + 1) // ratio
         keff = min(K, nb)
-        sel = rng.permutation(nb)[:keff] if nb else np.zeros(0, np.int64)
+        if choose is not None and nb:
+            sel = np.asarray(choose(r, nb, keff), np.int64)
+        else:
+            sel = rng.permutation(nb)[:keff] if nb else np.zeros(0, np.int64)
         ids[r, :keff], valid[r, :keff] = sel, True
         blk = (sel[:, None] * ratio + np.arange(ratio)).reshape(-1)
         tokens.append(np.concatenate([blk, np.arange(nb * ratio, p + 1)]).astype(np.int64))
@@ -202,3 +215,127 @@ def test_prefill_flash_argument_errors():
     if not mx.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             prefill_flash_cuda(q, kv, kv, ids, valid, pos, scale=1 / 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill_flash over shared tiles
+
+
+def _tile_choice(rng, overlap, tiles_shared=None):
+    """Selections whose rows share `overlap` of their blocks within each 8-row tile (a tile's
+    common blocks drawn from the blocks its first row sees, the rest per row); tiles for which
+    `tiles_shared(tile)` is False draw every row at random."""
+    common = {}
+
+    def choose(r, nb, keff):
+        tile = r // RT
+        if tiles_shared is not None and not tiles_shared(tile):
+            return rng.permutation(nb)[:keff]
+        if tile not in common:
+            common[tile] = rng.permutation(nb)[: int(overlap * keff)]
+        c = common[tile][common[tile] < nb][:keff]
+        rest = np.setdiff1d(np.arange(nb), c)
+        own = rng.permutation(rest)[: keff - len(c)]
+        return rng.permutation(np.concatenate([c, own]))
+
+    return choose
+
+
+def _ref_union(ids, valid, positions, cap, ratio):
+    """Each 8-row tile's union of valid in-range blocks and tail blocks, ascending, packed as
+    the kernel packs it (block | rows << 24)."""
+    ids, valid = np.array(ids), np.array(valid)
+    S = len(positions)
+    out = []
+    for t in range(-(-S // RT)):
+        rows = {}
+        for r in range(t * RT, min(S, t * RT + RT)):
+            p = int(positions[r])
+            ok = valid[r] & (ids[r] >= 0) & ((ids[r].astype(np.int64) + 1) * ratio <= cap)
+            blocks = [int(b) for b in ids[r][ok]]
+            if (p + 1) % ratio:
+                blocks.append((p + 1) // ratio)
+            for b in blocks:
+                rows[b] = rows.get(b, 0) | 1 << (r - t * RT)
+        out.append([b | m << 24 for b, m in sorted(rows.items())])
+    return out
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "positions,overlap",
+    [
+        (np.arange(40000, 40130), 0.95),  # uneven rows, every tile shared
+        (np.arange(40000, 40130), 0.0),  # no tile shared: the per-row kernel for all
+        (np.arange(2030, 2101), 0.9),  # across the first sparse token
+        (np.arange(0, 90), 0.0),  # dense regime: each row lists all its blocks
+    ],
+)
+def test_tile_union_lists_each_tiles_blocks_once(positions, overlap):
+    rng = np.random.default_rng([67, int(positions[0]), int(overlap * 100)])
+    choose = _tile_choice(rng, overlap)
+    (_, keys, _, ids, valid), _ = _flash_inputs(rng, 4, 2, 64, 512, 4, positions, choose)
+    pos = mx.array(positions.astype(np.int32))
+    lists, counts = tile_union_cuda(ids, valid, pos, keys, ratio=4)
+    want = _ref_union(ids, valid, positions, keys.shape[2], 4)
+    got_l, got_c = np.array(lists).view(np.uint32), np.array(counts)
+    assert got_c.tolist() == [len(w) for w in want]
+    for t, w in enumerate(want):
+        assert got_l[t, : len(w)].tolist() == [x & 0xFFFFFFFF for x in w], f"tile {t}"
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "positions,overlap,mixed",
+    [
+        (np.arange(40000, 40130), 0.95, False),  # every tile shared, uneven rows
+        (np.arange(40000, 40130), 0.9, True),  # every other tile shared
+        (np.arange(40000, 40064), 0.0, False),  # none: the per-row kernel's bits
+        (np.arange(2030, 2101), 0.9, False),  # across the first sparse token
+        (np.arange(0, 90), 0.0, False),  # dense regime: small unions, all shared
+        (np.arange(5001, 5021), 1.0, False),  # identical selections, tails of every length
+    ],
+)
+def test_shared_tiles_match_float64_and_the_per_row_kernel(positions, overlap, mixed):
+    rng = np.random.default_rng([71, int(positions[0]), int(overlap * 100), mixed])
+    choose = _tile_choice(rng, overlap, (lambda t: t % 2 == 0) if mixed else None)
+    (q, keys, values, ids, valid), tokens = _flash_inputs(
+        rng, 24, 2, 256, 512, 4, positions, choose
+    )
+    pos = mx.array(positions.astype(np.int32))
+    scale = 1 / 16
+    out = prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=scale, shared=True)
+    per_row = prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=scale, shared=False)
+    got, rows = to_np(out)[0], to_np(per_row)[0]
+    ref = _ref_rows(q, keys, values, tokens, scale, 12)
+    assert np.isfinite(got).all()
+    for r in range(len(positions)):
+        assert _rel(got[:, r], ref[:, r]) <= 1e-2, f"row {r} (position {positions[r]})"
+    _, counts = tile_union_cuda(ids, valid, pos, keys, ratio=4)
+    tiled = np.repeat(np.array(counts) <= tile_limit(512), RT)[: len(positions)]
+    if overlap >= 0.9 or positions[-1] < 2048:
+        assert tiled.all()
+    if overlap == 0.0 and positions[0] >= 2048:
+        assert not tiled.any()
+    if mixed:
+        assert tiled.any() and not tiled.all()
+    # rows of per-row tiles come from the per-row kernel, bit for bit
+    assert np.array_equal(got[:, ~tiled], rows[:, ~tiled])
+    again = prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=scale, shared=True)
+    assert mx.array_equal(out, again).item()
+
+
+def test_shared_tile_plan_is_pure_and_refuses_what_it_cannot_take(set_switch):
+    from mlx_qsa.kernels import prefill_flash as pf
+
+    assert tile_limit(512) == 1024 and tile_limit(16) == 32
+    assert union_keys(512) == 8192 and union_keys(16) == 256 and union_keys(1) == 16
+    assert shared_unsupported(24, 2, 256, 512) is None
+    assert "even number" in shared_unsupported(24, 8, 256, 512)  # 3 query heads a KV head
+    assert "sort" in shared_unsupported(24, 2, 128, 2048)  # 16K keys: past 48 KB
+    set_switch("MLX_QSA_PREFILL_SHARED", "1")
+    assert pf.shared_env()
+    set_switch("MLX_QSA_PREFILL_SHARED", "0")
+    assert not pf.shared_env()
+    set_switch("MLX_QSA_PREFILL_SHARED", None)
+    assert pf.shared_env() == pf.SHARED_DEFAULT_ON

@@ -11,7 +11,8 @@
 // an online softmax in float32 (base 2), then O += P V with P rounded to bf16 and V fragments
 // from ldmatrix.trans (Q and K fragments from ldmatrix too; O is rescaled only when a row's
 // running max moved). The four warps' (m, l, O) are merged in a fixed order at the end.
-// Template: D, G, HKV, K, RATIO, SCALE_BITS. 128 threads; dynamic shared memory:
+// QSA_TILE_SKIP (with counts and LIMIT): rows of shared tiles are left to the tile kernel.
+// Template: D, G, HKV, K, RATIO, SCALE_BITS (+ LIMIT). 128 threads; dynamic shared memory:
 // 3 stages x (K, V) x 64 x (D + 8) bf16, q 16 x (D + 8) bf16, token list K * RATIO + RATIO int.
 constexpr int NT = 128, STEP = 64, VS = D + 8, NTILE = D / 8, NSTAGE = 3;
 constexpr int EPT = (K + NT - 1) / NT;
@@ -24,6 +25,11 @@ __shared__ float ml_s[4][16][2];
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int S = q_shape[2];
 const int j = blockIdx.x / S, row = blockIdx.x % S;
+#ifdef QSA_TILE_SKIP
+// counts [n_tiles] (tile_union): a row whose 8-row tile has at most LIMIT blocks in its union is
+// attended by the shared-tile kernel (sdpa.cu, QSA_LIST) instead; this CTA has nothing to do.
+if (counts[row / 8] <= LIMIT) return;
+#endif
 const long long cap = keys_shape[2];
 const int p = pos[row * pos_strides[0]];
 
@@ -227,3 +233,82 @@ for (int i = tid; i < G * D; i += NT) {
                   o_s[(48 + h) * D + c];
   out[((long long)(j * G + h) * S + row) * D + c] = __float2bfloat16(v);
 }
+
+//// kernel: tile_union
+// The shared tiles of `prefill_flash` (PERFORMANCE.md §3: rows of a query tile share K/V tiles):
+// for each tile of RT = 8 consecutive rows, the union of the rows' valid selected blocks and of
+// their tail blocks, in ascending block order, each entry packed as block | rows << 24 (bit r:
+// row r of the tile attends that block; a tail block only up to the row's position, which the
+// attention applies). ids [S, K] int32, valid [S, K] bool, pos [S] int32, keys (its shape only:
+// the backing's length) -> lists [n_tiles, NE] int32 (NE = K * RT + RT; entries past the count
+// are not written), counts [n_tiles] int32.
+// One CTA of NT threads a tile: the tile's (block << 3 | row) keys in shared memory, a bitonic
+// sort, then the first key of each block's run becomes an entry (a block-wide scan places it)
+// with the OR of its run's rows.
+// Template: K, RATIO, NKEYS (a power of two >= NE), NT.
+constexpr int RT = 8, NE = K * RT + RT, EPT = NKEYS / NT;
+constexpr unsigned NONE = 0xFFFFFFFFu, MAX_BLOCK = 1u << 24;
+static_assert((NKEYS & (NKEYS - 1)) == 0 && NKEYS >= NE, "NKEYS: a power of two >= K RT + RT");
+static_assert(NKEYS % NT == 0, "the keys split evenly over the threads");
+__shared__ unsigned key_s[NKEYS];
+__shared__ int scan_s[NT / 32 + 1];
+const int tid = threadIdx.x, tile = blockIdx.x, S = pos_shape[0];
+const long long cap = keys_shape[2];
+for (int i = tid; i < NKEYS; i += NT) {
+  unsigned key = NONE;
+  if (i < K * RT) {
+    const int r = i / K, e = i % K, row = tile * RT + r;
+    if (row < S && valid[row * valid_strides[0] + e * valid_strides[1]]) {
+      const int id = ids[row * ids_strides[0] + e * ids_strides[1]];
+      if (id >= 0 && (unsigned)id < MAX_BLOCK && (long long)(id + 1) * RATIO <= cap)
+        key = (unsigned)id << 3 | r;
+    }
+  } else if (i < NE) {
+    const int r = i - K * RT, row = tile * RT + r;
+    if (row < S) {
+      const int p = pos[row * pos_strides[0]];
+      const int tail0 = (p + 1) / RATIO * RATIO;
+      if (p >= 0 && p + 1 > tail0 && (unsigned)(tail0 / RATIO) < MAX_BLOCK)
+        key = (unsigned)(tail0 / RATIO) << 3 | r;
+    }
+  }
+  key_s[i] = key;
+}
+__syncthreads();
+for (int size = 2; size <= NKEYS; size <<= 1)
+  for (int stride = size >> 1; stride > 0; stride >>= 1) {
+    for (int i = tid; i < NKEYS / 2; i += NT) {
+      const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+      const unsigned a = key_s[lo], b = key_s[hi];
+      if ((a > b) == ((lo & size) == 0)) {  // ascending where bit `size` of lo is clear
+        key_s[lo] = b;
+        key_s[hi] = a;
+      }
+    }
+    __syncthreads();
+  }
+// Thread tid owns keys tid * EPT .. + EPT - 1: a key starts an entry where its block differs
+// from the previous key's.
+const int i0 = tid * EPT;
+int heads = 0;
+#pragma unroll
+for (int e = 0; e < EPT; ++e) {
+  const int i = i0 + e;
+  const unsigned k = key_s[i];
+  heads += k != NONE && (i == 0 || key_s[i - 1] >> 3 != k >> 3);
+}
+int total;
+int at = qsa::block_excl_scan<NT>(heads, scan_s, &total);
+#pragma unroll
+for (int e = 0; e < EPT; ++e) {
+  const int i = i0 + e;
+  const unsigned k = key_s[i];
+  if (k != NONE && (i == 0 || key_s[i - 1] >> 3 != k >> 3)) {
+    unsigned rows = 0u;
+    for (int j = i; j < NKEYS && key_s[j] != NONE && key_s[j] >> 3 == k >> 3; ++j)
+      rows |= 1u << (key_s[j] & 7u);
+    lists[(long long)tile * NE + at] = (int)((k >> 3) | rows << 24);
+    ++at;
+  }
+}
+if (tid == 0) counts[tile] = total;

@@ -3,13 +3,21 @@
 Each row attends its valid selected blocks (RATIO tokens each) plus its own 0..RATIO-1 tail
 tokens, reading K/V in place from the cache backings; the portable twin is
 `consumers.prefill.prefill_flash` (the tiled row-token gather), with the same token sets.
+
+Two algorithms share the work (PERFORMANCE.md §3). Per row, a CTA gathers the row's own 2051
+tokens (`attend`): 8.6 GB of K/V for a 2048-row chunk, whatever the rows share. Over shared
+tiles (`shared=True`), each 8-row tile's union of blocks is listed once (`tile_union`) and
+read once for all its rows by the `sdpa` kernel's list form, with each row's own blocks
+visible. That reads each shared block once but computes every row over the whole union, so it
+pays only where a tile's rows select mostly the same blocks: tiles whose union holds at most
+`tile_limit` blocks take it, the others the per-row kernel, decided on the GPU per tile.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from . import _launch, device
+from . import _launch, device, sdpa
 from .device import DeviceLimits
 
 _NT, _STEP, _NSTAGE, _MAX_G = 128, 64, 3, 16
@@ -51,6 +59,79 @@ def smem_bytes(d: int, k: int, ratio: int) -> int:
     return _NSTAGE * 2 * _STEP * (d + 8) * 2 + 16 * (d + 8) * 2 + (k * ratio + ratio) * 4
 
 
+RT = 8  # rows of a shared tile (sdpa.cu's row tile)
+_UNION_THREADS = 512
+
+# Whether prefill_flash_cuda uses shared tiles unless told (off until its GPU tests have run).
+SHARED_DEFAULT_ON = False
+
+
+def shared_env() -> bool:
+    """``MLX_QSA_PREFILL_SHARED=1`` / ``=0``, else ``SHARED_DEFAULT_ON``."""
+    v = _launch.env_switch("MLX_QSA_PREFILL_SHARED")
+    return SHARED_DEFAULT_ON if v is None else v != "0"
+
+
+def tile_limit(k: int) -> int:
+    """The most blocks a tile's union may hold for the shared-tile kernel (pure): a quarter of
+    its rows' ``RT * k`` selections. The tile kernel computes all RT rows over the union; the
+    per-row kernel reads each row's own k blocks. Equal cost near half (GPU estimate: the tile
+    form's mma rate against the gather's L2 rate); a quarter keeps a margin."""
+    return RT * k // 4
+
+
+def union_keys(k: int) -> int:
+    """Sort length of `tile_union`: the power of two that holds a tile's RT * k selections
+    and RT tail blocks (pure)."""
+    n = RT * k + RT
+    return 1 << (n - 1).bit_length()
+
+
+def shared_unsupported(n_heads: int, n_kv: int, d: int, k: int) -> str | None:
+    """Why the shared-tile form cannot take these shapes (the sdpa kernel's own limits, its
+    list beside its shared memory, the sort's static shared memory), or None."""
+    why = sdpa.sdpa_unsupported(mx.bfloat16, n_heads, n_kv, d)
+    if why is not None:
+        return why
+    limits = device.resolve(None) or device.HOPPER
+    g = n_heads // n_kv
+    nbytes = sdpa.listed_smem_bytes(d, g, tile_limit(k))
+    why = device.shared_memory_unsupported(limits, nbytes, "the shared-tile kernel")
+    if why is not None:
+        return why
+    if union_keys(k) * 4 > 48 * 1024:
+        return f"a tile's {RT} x {k} selections exceed the union sort's 48 KB"
+    return None
+
+
+def tile_union_cuda(
+    ids: mx.array, valid: mx.array, positions: mx.array, keys: mx.array, *, ratio: int
+) -> tuple[mx.array, mx.array]:
+    """Each 8-row tile's union of valid selected blocks and tail blocks, ascending, entries
+    packed as ``block | rows << 24`` -> (lists int32 `[n_tiles, RT * K + RT]`, past the count
+    unwritten; counts int32 `[n_tiles]`). `keys` gives the backing's length (blocks past it are
+    dropped, as the per-row kernel drops them)."""
+    rows, k = ids.shape
+    n_tiles = -(-rows // RT)
+    kernel = _launch.build(
+        "prefill_flash.cu",
+        "tile_union",
+        ("ids", "valid", "pos", "keys"),
+        ("lists", "counts"),
+        (),
+        template=(("K", k), ("RATIO", ratio), ("NKEYS", union_keys(k)), ("NT", _UNION_THREADS)),
+    )
+    return tuple(
+        kernel(
+            inputs=[ids, valid, positions, keys],
+            grid=(n_tiles * _UNION_THREADS, 1, 1),
+            threadgroup=(_UNION_THREADS, 1, 1),
+            output_shapes=[(n_tiles, RT * k + RT), (n_tiles,)],
+            output_dtypes=[mx.int32, mx.int32],
+        )
+    )
+
+
 def prefill_flash_cuda(
     q: mx.array,
     keys: mx.array,
@@ -61,9 +142,13 @@ def prefill_flash_cuda(
     *,
     scale: float,
     ratio: int = 4,
+    shared: bool | None = None,
 ) -> mx.array:
     """q `[1, H, S, d]` bf16, keys/values `[1, Hkv, cap, d]`, ids int32 / valid bool `[S, K]`,
-    positions int32 `[S]` -> `[1, H, S, d]` bf16. A row without tokens gives 0."""
+    positions int32 `[S]` -> `[1, H, S, d]` bf16. A row without tokens gives 0.
+
+    `shared`: attend the 8-row tiles whose union of blocks is small over shared tiles, the
+    others per row (default ``shared_env()``; where the shapes do not allow it, per row)."""
     fn = "prefill_flash_cuda"
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
     _launch.check_row_lists(fn, rows, ("ids", "valid"), ids, valid, "[S, K]")
@@ -78,26 +163,47 @@ def prefill_flash_cuda(
         raise NotImplementedError(f"{fn}: {why}")
     if not scale > 0:
         raise ValueError(f"{fn}: scale must be a positive float, got {scale}")
+    if shared is None:
+        shared = shared_env()
+    if shared and shared_unsupported(n_heads, n_kv, d, k) is not None:
+        shared = False
+    template = (
+        ("D", d),
+        ("G", n_heads // n_kv),
+        ("HKV", n_kv),
+        ("K", k),
+        ("RATIO", ratio),
+        ("SCALE_BITS", _launch.float_bits(scale)),
+    )
+    names = ("q", "keys", "values", "ids", "valid", "pos")
+    inputs = [q, keys, values, ids, valid, positions]
+    if shared:
+        limit = tile_limit(k)
+        lists, counts = tile_union_cuda(ids, valid, positions, keys, ratio=ratio)
+        tiled = sdpa.sdpa_listed_cuda(
+            q, keys, values, positions, lists, counts, scale=scale, limit=limit, ratio=ratio
+        )
+        names, inputs = names + ("counts",), inputs + [counts]
+        template += (("LIMIT", limit),)
     kernel = _launch.build(
         "prefill_flash.cu",
         "attend",
-        ("q", "keys", "values", "ids", "valid", "pos"),
+        names,
         ("out",),
-        (),
+        ("skip",) if shared else (),
         shared_memory=smem_bytes(d, k, ratio),
-        template=(
-            ("D", d),
-            ("G", n_heads // n_kv),
-            ("HKV", n_kv),
-            ("K", k),
-            ("RATIO", ratio),
-            ("SCALE_BITS", _launch.float_bits(scale)),
-        ),
+        prefix="#define QSA_TILE_SKIP\n" if shared else "",
+        template=template,
     )
-    return kernel(
-        inputs=[q, keys, values, ids, valid, positions],
+    out = kernel(
+        inputs=inputs,
         grid=(rows * n_kv * _NT, 1, 1),
         threadgroup=(_NT, 1, 1),
         output_shapes=[(1, n_heads, rows, d)],
         output_dtypes=[q.dtype],
     )[0]
+    if not shared:
+        return out
+    # each row from the kernel that wrote it: its tile's form
+    use_tile = mx.repeat(counts <= limit, RT)[:rows].reshape(1, 1, rows, 1)
+    return mx.where(use_tile, tiled, out)

@@ -18,13 +18,19 @@
 // QSA_KV_SPLIT a stage's K and V are separate cp.async groups, so S = Q K^T waits for K only.
 // With a mask, a lane loads its row's mask bytes one stage ahead, and a stage no row of the tile
 // sees is skipped.
+// QSA_LIST (prefill_flash over shared tiles, PERFORMANCE.md §3): the tile's tokens are the
+// blocks of its union list instead, lists [n_tiles, NE] int32 with counts [n_tiles] from
+// prefill_flash.cu tile_union (entry: block | rows << 24); row r of the tile sees the RATIO
+// tokens of an entry with bit r set, up to its position (tail blocks are partial). A tile whose
+// union has more than LIMIT blocks is left to the per-row kernel: its CTAs return at once.
 // Row tiles run from the last (the longest causal spans) to the first, KV head fastest.
 // QSA_SPLIT (few rows: too few CTAs to fill the GPU): NSPLIT CTAs share a row tile, each taking
 // an even share of its token range in whole stages, and write split-K partials instead of out:
 // part_o [H * S, NSPLIT, D] float32 (sum of 2^(s - m) v), part_ml [H * S, NSPLIT, 2] (m in
 // natural-log units, l), which split_k_merge.cu merges (rows h * S + r, the layout of out).
-// Template: D, G, HKV, SCALE_BITS, STEP, NSTAGE (+ NSPLIT). G / 2 * 32 threads; dynamic shared
-// memory: NSTAGE x (K, V) x STEP x (D + 8) bf16, then the queries NW x 16 x (D + 8) bf16.
+// Template: D, G, HKV, SCALE_BITS, STEP, NSTAGE (+ NSPLIT; + LIMIT, RATIO, NE). G / 2 * 32
+// threads; dynamic shared memory: NSTAGE x (K, V) x STEP x (D + 8) bf16, then the queries
+// NW x 16 x (D + 8) bf16 (then with QSA_LIST the tile's LIMIT list entries).
 constexpr int NW = G / 2, NT = NW * 32, RT = 8, VS = D + 8, NTILE = D / 8, CPT = D / 8;
 static_assert(G % 2 == 0 && NW >= 1 && NW <= 8, "G must be even, 2..16");
 static_assert(D % 16 == 0 && D <= 256, "D must be a multiple of 16, at most 256");
@@ -51,6 +57,12 @@ const int r0 = (n_rt - 1 - cta / HKV) * RT;
 const int ar = lane >> 2, ak = 2 * (lane & 3);
 const int row = r0 + ar;
 const bool row_ok = row < S;
+#ifdef QSA_LIST
+const int tile = r0 / RT, n_list = counts[tile];
+if (n_list > LIMIT) return;  // CTA-uniform, before any barrier
+int* list_s = reinterpret_cast<int*>(q_s + NW * 16 * VS);
+for (int i = tid; i < n_list; i += NT) list_s[i] = lists[(long long)tile * NE + i];
+#endif
 
 // The tile's token range [0, kend): past the furthest row's position (causal, or a mask that
 // lies within the causal bound: QSA_MASK_CAUSAL), at most the mask's width.
@@ -63,11 +75,11 @@ const bool* mload = mask + (row_ok ? row : 0) * m_row;
 const bool words = m_col == 1 && m_row % 4 == 0 &&
                    (reinterpret_cast<unsigned long long>(mask) & 3ull) == 0ull;
 #endif
-#if !defined(QSA_MASK) || defined(QSA_MASK_CAUSAL)
-__shared__ int kend_s;
 #ifndef QSA_MASK
 const int p_row = row_ok ? pos[row * pos_strides[0]] : -1;
 #endif
+#if !defined(QSA_MASK) || defined(QSA_MASK_CAUSAL)
+__shared__ int kend_s;
 if (tid == 0) {
   int e = 0;
   for (int r = r0; r < min(r0 + RT, S); ++r) e = max(e, pos[r * pos_strides[0]] + 1);
@@ -87,7 +99,11 @@ for (int c = tid; c < NW * 16 * CPT; c += NT) {
   *reinterpret_cast<uint4*>(q_s + mr * VS + dc * 8) = v;
 }
 __syncthreads();
-#if !defined(QSA_MASK)
+#if defined(QSA_LIST)
+const int kend = n_list * RATIO;  // tokens in list order: entry u / RATIO, token u % RATIO
+// a tail block's tokens past the tile's furthest position may not be written yet: never read
+const int tok_end = kend_s;
+#elif !defined(QSA_MASK)
 const int kend = kend_s;
 #elif defined(QSA_MASK_CAUSAL)
 const int kend = min(kend_s, (int)mask_shape[3]);
@@ -106,16 +122,28 @@ const __nv_bfloat16* kg = keys + (long long)j * keys_strides[1];
 const __nv_bfloat16* vg = values + (long long)j * values_strides[1];
 const int n_steps = (t_hi - t_lo + STEP - 1) / STEP;
 const unsigned kv0 = (unsigned)__cvta_generic_to_shared(kv_s);
-// One STEP-token tile of K or V (src, row stride) from token t0 into shared memory at dst.
-auto load_tile = [&](unsigned dst, const __nv_bfloat16* src, long long stride, int t0) {
+// The STEP tokens from t0 into the stage at dk: their K (with_k) and V (with_v) rows.
+auto load_kv = [&](unsigned dk, int t0, bool with_k, bool with_v) {
+  const unsigned dv = dk + STEP * VS * 2;
   for (int c = tid; c < STEP * CPT; c += NT) {
     const int t = c / CPT, dc = c % CPT;
     const bool ok = t0 + t < t_hi;
+#ifdef QSA_LIST
+    const int lt = ok ? (list_s[(t0 + t) / RATIO] & 0xFFFFFF) * RATIO + (t0 + t) % RATIO : 0;
+    const bool in = ok && lt < tok_end;
+    const long long tok = in ? lt : 0;
+    const unsigned nbytes = in ? 16u : 0u;  // 0: zero-fill (0 * garbage could be NaN)
+#else
     const long long tok = ok ? t0 + t : 0;
     const unsigned nbytes = ok ? 16u : 0u;  // 0: zero-fill (0 * garbage could be NaN)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                     dst + (t * VS + dc * 8) * 2),
-                 "l"(src + tok * stride + dc * 8), "r"(nbytes));
+#endif
+    const unsigned off = (t * VS + dc * 8) * 2;
+    if (with_k)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dk + off),
+                   "l"(kg + tok * keys_strides[2] + dc * 8), "r"(nbytes));
+    if (with_v)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dv + off),
+                   "l"(vg + tok * values_strides[2] + dc * 8), "r"(nbytes));
   }
 };
 auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
@@ -124,11 +152,13 @@ auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
 auto issue = [&](int s) {
   const bool any = s < n_steps;
   const unsigned dk = kv0 + (s % NSTAGE) * 2 * STEP * VS * 2;
-  if (any) load_tile(dk, kg, keys_strides[2], t_lo + s * STEP);
 #ifdef QSA_KV_SPLIT
+  if (any) load_kv(dk, t_lo + s * STEP, true, false);
   commit();
+  if (any) load_kv(dk, t_lo + s * STEP, false, true);
+#else
+  if (any) load_kv(dk, t_lo + s * STEP, true, true);
 #endif
-  if (any) load_tile(dk + STEP * VS * 2, vg, values_strides[2], t_lo + s * STEP);
   commit();
 };
 
@@ -178,7 +208,16 @@ auto visible = [&](int s) -> unsigned {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int t = t_lo + s * STEP + nt * 8 + ak + e;
+#ifdef QSA_LIST
+      bool ok = false;
+      if (t < t_hi) {  // the entry lists this lane's row, and the token is not past it
+        const unsigned en = (unsigned)list_s[t / RATIO];
+        ok = ((en >> (24 + ar)) & 1u) && (int)((en & 0xFFFFFFu) * RATIO + t % RATIO) <= p_row;
+      }
+      b |= (unsigned)ok << (2 * nt + e);
+#else
       b |= (unsigned)(t < t_hi && t <= p_row) << (2 * nt + e);
+#endif
     }
   return b;
 };
@@ -217,7 +256,8 @@ for (int s = 0; s < n_steps; ++s) {
   const bool live = __syncthreads_or(vis != 0u);
 #else
   __syncthreads();
-  const bool live = true;  // every token below kend is seen by the tile's furthest row
+  // every token below kend is seen by the tile's furthest row (QSA_LIST: every entry by a row)
+  const bool live = true;
 #endif
   if (live) {
     const unsigned ks = kv0 + (s % NSTAGE) * 2 * STEP * VS * 2;

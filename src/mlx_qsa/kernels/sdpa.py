@@ -158,18 +158,61 @@ def sdpa_cuda(
     return _plan(d, g, n_kv, rows, nsplit, masked, causal_mask, bits, tiling)(*inputs)
 
 
+def sdpa_listed_cuda(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    positions: mx.array,
+    lists: mx.array,
+    counts: mx.array,
+    *,
+    scale: float,
+    limit: int,
+    ratio: int,
+    tiling: Tiling | None = None,
+) -> mx.array:
+    """The kernel over shared tiles (`prefill_flash` on CUDA, `kernels.prefill_flash`): row tile
+    i attends the blocks of its union list `lists[i, :counts[i]]` (`tile_union_cuda`), a row the
+    RATIO tokens of the entries that list it, up to its position. Tiles whose union holds more
+    than `limit` blocks are not written (their rows are garbage: the caller takes them from the
+    per-row kernel). Arguments as `prefill_flash_cuda` checked them."""
+    tiling = TILING if tiling is None else tiling
+    n_heads, rows, n_kv, d = q.shape[1], q.shape[2], keys.shape[1], q.shape[-1]
+    nsplit = split_count(rows, n_kv, limit * ratio, device.sm_count(), tiling.step)
+    listed = (limit, ratio, lists.shape[1])
+    run = _plan(
+        d, n_heads // n_kv, n_kv, rows, nsplit, False, False, _launch.float_bits(scale), tiling,
+        listed,
+    )  # fmt: skip
+    return run(q, keys, values, positions, lists, counts)
+
+
+def listed_smem_bytes(d: int, g: int, limit: int, tiling: Tiling = TILING) -> int:
+    """Dynamic shared memory of the shared-tile form: `smem_bytes` and the tile's list."""
+    return smem_bytes(d, g, tiling) + 4 * limit
+
+
 @functools.lru_cache(maxsize=256)
 def _plan(
     d: int, g: int, n_kv: int, rows: int, nsplit: int, masked: bool, causal_mask: bool,
-    scale_bits: int, tiling: Tiling,
+    scale_bits: int, tiling: Tiling, listed: tuple[int, int, int] | None = None,
 ):  # fmt: skip
     """The launch(es) of one call shape: the kernel writing `out`, or with `nsplit` > 1 its
-    split-K partials and the shared merge kernel (`_launch.plan_split_k`)."""
+    split-K partials and the shared merge kernel (`_launch.plan_split_k`). `listed`: (limit,
+    ratio, list width) of the shared-tile form (QSA_LIST)."""
     names = ("q", "keys", "values", "pos") + (("mask",) if masked else ())
     template = (("D", d), ("G", g), ("HKV", n_kv), ("SCALE_BITS", scale_bits))
     template += (("STEP", tiling.step), ("NSTAGE", tiling.nstage))
     prefix = "#define QSA_MASK\n" if masked else ""
     key = ("mask",) if masked else ("causal",)
+    smem = smem_bytes(d, g, tiling)
+    if listed is not None:
+        limit, ratio, width = listed
+        names += ("lists", "counts")
+        template += (("LIMIT", limit), ("RATIO", ratio), ("NE", width))
+        prefix += "#define QSA_LIST\n"
+        key = ("list",)
+        smem = listed_smem_bytes(d, g, limit, tiling)
     if causal_mask:
         prefix += "#define QSA_MASK_CAUSAL\n"
         key = ("maskcausal",)
@@ -181,7 +224,7 @@ def _plan(
     out_shape = (1, g * n_kv, rows, d)
     if nsplit == 1:
         kernel = _launch.build(
-            "sdpa.cu", "attend", names, ("out",), key, smem_bytes(d, g, tiling), prefix=prefix,
+            "sdpa.cu", "attend", names, ("out",), key, smem, prefix=prefix,
             template=template,
         )  # fmt: skip
         return _launch.single_output(kernel, out_shape, mx.bfloat16, n_cta, threads)
@@ -193,7 +236,7 @@ def _plan(
         rows=g * n_kv * rows,
         out_shape=out_shape,
         nsplit=nsplit,
-        shared_memory=smem_bytes(d, g, tiling),
+        shared_memory=smem,
         out_dtype=mx.bfloat16,
         one_launch=False,
         section="attend",

@@ -1,0 +1,174 @@
+"""`prefill_flash` on CUDA per row against over shared tiles (issue 6; PERFORMANCE.md §3), in
+turns, with torch's dense causal SDPA over the same context, at the real geometry (24 query
+heads, 2 KV heads, head_dim 256, top-512 of 4-token blocks).
+
+    python3 benchmarks/prefill_shared_ab.py OUT.json [--prefixes 32768] [--overlaps 0,0.5,0.9]
+
+Selections drift from row to row: each row keeps a fraction `overlap` of the previous row's
+blocks and draws the rest anew from its visible blocks (0: independent random rows, as `mlx-qsa
+bench prefill` has them; real models' adjacent queries sit in between). Entries per point:
+`per_row` (the gather kernel), `shared` (tiles whose union holds at most `tile_limit` blocks over
+shared tiles, the others per row: what `shared=True` does), `all_tiles` (every tile over shared
+tiles, the limit lifted: the tile form's own cost), torch. Records each point's mean union size
+per 8-row tile, the share of tiles under the limit, and the outputs' distance to `per_row`.
+One `mx.eval` per step; `--sets` rotated K/V sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from unittest import mock
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_qsa import bench
+from mlx_qsa.bench import mlx_pass, time_in_turns, torch_pass
+from mlx_qsa.kernels import prefill_flash as pf
+
+H, HKV, D, K, R, S = 24, 2, 256, 512, 4, 2048
+SCALE = 1 / 16
+
+
+def drifting_selection(rng, P: int, overlap: float) -> tuple[np.ndarray, np.ndarray]:
+    """ids / valid [S, K]: row r's K blocks of its visible ones, keeping `overlap` of row
+    r - 1's."""
+    ids = np.zeros((S, K), np.int32)
+    prev = None
+    for r in range(S):
+        nb = (P + r + 1) // R
+        if prev is None or overlap == 0:
+            cur = rng.choice(nb, K, replace=False)
+        else:
+            keep = rng.choice(prev, int(overlap * K), replace=False)
+            fresh = rng.choice(nb, min(nb, 2 * K), replace=False)
+            fresh = fresh[~np.isin(fresh, keep)][: K - len(keep)]
+            cur = np.concatenate([keep, fresh])
+        ids[r] = rng.permutation(cur)
+        prev = cur
+    return ids, np.ones((S, K), bool)
+
+
+def point(P: int, overlap: float, sets: int, warmup: int, repeats: int, torch) -> dict:
+    rng = np.random.default_rng([P, int(overlap * 1000)])
+    T = P + S
+    cap = -(-T // 256) * 256
+    pos = mx.array(np.arange(P, T, dtype=np.int32))
+    data = []
+    for i in range(sets):
+        k1, k2, k3 = mx.random.split(mx.random.key(7 * P + i), 3)
+        q = mx.random.normal((1, H, S, D), key=k1).astype(mx.bfloat16)
+        keys = mx.random.normal((1, HKV, cap, D), key=k2).astype(mx.bfloat16)
+        values = mx.random.normal((1, HKV, cap, D), key=k3).astype(mx.bfloat16)
+        ids, valid = (mx.array(a) for a in drifting_selection(rng, P, overlap))
+        mx.eval(q, keys, values, ids, valid)
+        data.append((q, keys, values, ids, valid))
+    mx.eval(pos)
+    lifted = pf.RT * K + pf.RT
+
+    def run(i, shared, limit=None):
+        q, keys, values, ids, valid = data[i]
+        if limit is None:
+            return pf.prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=SCALE,
+                                         shared=shared)  # fmt: skip
+        with mock.patch.object(pf, "tile_limit", lambda k: limit):
+            return pf.prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=SCALE,
+                                         shared=True)  # fmt: skip
+
+    q, keys, values, ids, valid = data[0]
+    _, counts = pf.tile_union_cuda(ids, valid, pos, keys, ratio=R)
+    c = np.array(counts)
+    a, b, f = run(0, False), run(0, True), run(0, True, lifted)
+
+    def rel(x, y):
+        x, y = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
+        return float(np.linalg.norm(x - y) / np.linalg.norm(y))
+
+    rec = {
+        "prefix": P,
+        "rows": S,
+        "overlap": overlap,
+        "union_blocks_mean": float(c.mean()),
+        "union_fraction_of_rows_blocks": float(c.mean() / (pf.RT * K)),
+        "tiles_under_limit": float((c <= pf.tile_limit(K)).mean()),
+        "tile_limit": pf.tile_limit(K),
+        "rel_diff_vs_per_row": {"shared": rel(b, a), "all_tiles": rel(f, a)},
+    }
+    passes = {
+        "per_row": mlx_pass(lambda i: run(i, False), sets),
+        "shared": mlx_pass(lambda i: run(i, True), sets),
+        "all_tiles": mlx_pass(lambda i: run(i, True, lifted), sets),
+    }
+    if torch is not None:
+        from torch.nn.attention.bias import causal_lower_right
+        from torch.nn.functional import scaled_dot_product_attention as tsdpa
+
+        g = torch.Generator(device="cuda").manual_seed(T)
+        tsets = [
+            tuple(
+                torch.randn(*sh, generator=g, device="cuda").to(torch.bfloat16)
+                for sh in ((1, H, S, D), (1, H, T, D), (1, H, T, D))
+            )
+            for _ in range(sets)
+        ]
+        tmask = causal_lower_right(S, T)
+        passes["torch_causal"] = torch_pass(
+            lambda i: tsdpa(*tsets[i], attn_mask=tmask, scale=SCALE), sets, sync_each=True
+        )
+    rec["timings"] = time_in_turns(passes, warmup, repeats)
+    t = {k: v["median_us"] for k, v in rec["timings"].items()}
+    rec["ratios"] = {
+        "per_row / shared": t["per_row"] / t["shared"],
+        "per_row / all_tiles": t["per_row"] / t["all_tiles"],
+    }
+    if "torch_causal" in t:
+        rec["ratios"]["torch / per_row"] = t["torch_causal"] / t["per_row"]
+        rec["ratios"]["torch / shared"] = t["torch_causal"] / t["shared"]
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--prefixes", type=bench._int_list, default=(32768,))
+    ap.add_argument("--overlaps", default="0,0.5,0.75,0.9,0.97")
+    ap.add_argument("--sets", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    try:
+        import torch
+
+        torch = torch if torch.cuda.is_available() else None
+    except ImportError:
+        torch = None
+    doc = {
+        "bench": "prefill_shared_ab",
+        "device_name": torch.cuda.get_device_name() if torch is not None else None,
+        "command": " ".join(["python3"] + sys.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"mlx": mx.__version__, "python": platform.python_version()},
+        "geometry": {"H": H, "Hkv": HKV, "d": D, "K": K, "ratio": R, "rows": S},
+        "points": [],
+    }
+    if torch is not None:
+        doc["versions"]["torch"] = torch.__version__
+    for P in args.prefixes:
+        for ov in (float(x) for x in args.overlaps.split(",")):
+            rec = point(P, ov, args.sets, args.warmup, args.repeats, torch)
+            doc["points"].append(rec)
+            t = {k: round(v["median_us"], 1) for k, v in rec["timings"].items()}
+            print(P, ov, round(rec["union_blocks_mean"]), rec["tiles_under_limit"], t,
+                  {k: round(v, 2) for k, v in rec["ratios"].items()},
+                  rec["rel_diff_vs_per_row"], flush=True)  # fmt: skip
+            with open(args.out, "w") as f:
+                json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
