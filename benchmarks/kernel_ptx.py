@@ -144,7 +144,7 @@ JOBS = {
     "sdpa_list": (
         "sdpa.cu", "attend",
         [("q", BF), ("keys", BF), ("values", BF), ("pos", "int32_t"), ("lists", "int32_t"),
-         ("counts", "int32_t")],
+         ("counts", "int32_t"), ("rowwise", BF)],
         [("out", BF)],
         [("D", 256), ("G", 12), ("HKV", 2), ("SCALE_BITS", 1031798784), *SDPA_T,
          ("LIMIT", 1024), ("RATIO", 4), ("NE", 4104)], "#define QSA_LIST\n",

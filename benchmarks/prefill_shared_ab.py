@@ -9,8 +9,9 @@ blocks and draws the rest anew from its visible blocks (0: independent random ro
 bench prefill` has them; real models' adjacent queries sit in between). Entries per point:
 `per_row` (the gather kernel), `shared` (tiles whose union holds at most `tile_limit` blocks over
 shared tiles, the others per row: what `shared=True` does), `all_tiles` (every tile over shared
-tiles, the limit lifted: the tile form's own cost), torch. Records each point's mean union size
-per 8-row tile, the share of tiles under the limit, and the outputs' distance to `per_row`.
+tiles, the limit lifted: the tile form's own cost; `--tilings`: also in 32-token stages),
+torch. Records each point's mean union size per 8-row tile, the share of tiles under the limit,
+and the outputs' distance to `per_row`.
 One `mx.eval` per step; `--sets` rotated K/V sets.
 """
 
@@ -29,6 +30,7 @@ import numpy as np
 from mlx_qsa import bench
 from mlx_qsa.bench import mlx_pass, time_in_turns, torch_pass
 from mlx_qsa.kernels import prefill_flash as pf
+from mlx_qsa.kernels import sdpa
 
 H, HKV, D, K, R, S = 24, 2, 256, 512, 4, 2048
 SCALE = 1 / 16
@@ -53,7 +55,9 @@ def drifting_selection(rng, P: int, overlap: float) -> tuple[np.ndarray, np.ndar
     return ids, np.ones((S, K), bool)
 
 
-def point(P: int, overlap: float, sets: int, warmup: int, repeats: int, torch) -> dict:
+def point(
+    P: int, overlap: float, sets: int, warmup: int, repeats: int, torch, tilings: tuple = ()
+) -> dict:
     rng = np.random.default_rng([P, int(overlap * 1000)])
     T = P + S
     cap = -(-T // 256) * 256
@@ -70,12 +74,15 @@ def point(P: int, overlap: float, sets: int, warmup: int, repeats: int, torch) -
     mx.eval(pos)
     lifted = pf.RT * K + pf.RT
 
-    def run(i, shared, limit=None):
+    def run(i, shared, limit=None, tiling=sdpa.TILING):
         q, keys, values, ids, valid = data[i]
         if limit is None:
             return pf.prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=SCALE,
                                          shared=shared)  # fmt: skip
-        with mock.patch.object(pf, "tile_limit", lambda k: limit):
+        with (
+            mock.patch.object(pf, "tile_limit", lambda k: limit),
+            mock.patch.object(sdpa, "TILING", tiling),
+        ):
             return pf.prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=SCALE,
                                          shared=True)  # fmt: skip
 
@@ -103,6 +110,9 @@ def point(P: int, overlap: float, sets: int, warmup: int, repeats: int, torch) -
         "shared": mlx_pass(lambda i: run(i, True), sets),
         "all_tiles": mlx_pass(lambda i: run(i, True, lifted), sets),
     }
+    for t in tilings:  # the list form's other K/V streaming forms
+        name = f"all_tiles_{t.step}x{t.nstage}" + ("_kv" if t.kv_split else "")
+        passes[name] = mlx_pass(lambda i, t=t: run(i, True, lifted, t), sets)
     if torch is not None:
         from torch.nn.attention.bias import causal_lower_right
         from torch.nn.functional import scaled_dot_product_attention as tsdpa
@@ -139,6 +149,7 @@ def main() -> int:
     ap.add_argument("--sets", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tilings", action="store_true", help="also the list form in other tilings")
     args = ap.parse_args()
     try:
         import torch
@@ -159,7 +170,8 @@ def main() -> int:
         doc["versions"]["torch"] = torch.__version__
     for P in args.prefixes:
         for ov in (float(x) for x in args.overlaps.split(",")):
-            rec = point(P, ov, args.sets, args.warmup, args.repeats, torch)
+            others = (sdpa.Tiling(32, 3), sdpa.Tiling(32, 4)) if args.tilings else ()
+            rec = point(P, ov, args.sets, args.warmup, args.repeats, torch, others)
             doc["points"].append(rec)
             t = {k: round(v["median_us"], 1) for k, v in rec["timings"].items()}
             print(P, ov, round(rec["union_blocks_mean"]), rec["tiles_under_limit"], t,

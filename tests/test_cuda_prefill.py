@@ -16,6 +16,7 @@ from mlx_qsa.kernels.prefill_flash import (
     RT,
     prefill_flash_cuda,
     prefill_flash_unsupported,
+    shared_applies,
     shared_unsupported,
     tile_limit,
     tile_union_cuda,
@@ -104,11 +105,12 @@ def test_scores_plane_and_summaries():
 # prefill_flash attention
 
 
-def _flash_inputs(rng, H, Hkv, d, K, ratio, positions, choose=None):
+def _flash_inputs(rng, H, Hkv, d, K, ratio, positions, choose=None, written=False):
     """Random q, K/V backings and per-row selections in a random order; every token no row
     lists is NaN (a kernel that read one would show it), invalid entries hold garbage ids.
     `choose(r, nb, keff)`: row r's keff distinct blocks of its nb visible ones (default: a
-    random draw)."""
+    random draw). `written`: the chunk's own tokens (from its first row's block up to its last
+    position), which the layer writes before it attends, are never NaN."""
     S = len(positions)
     T = int(positions.max()) + 1
     cap = -(-T // 256) * 256
@@ -131,6 +133,8 @@ def _flash_inputs(rng, H, Hkv, d, K, ratio, positions, choose=None):
     listed = np.zeros(cap, bool)
     listed[np.concatenate(tokens)] = True
     listed[0] = True  # the portable twin reads token 0 for its invalid slots (weight 0)
+    if written:
+        listed[positions.min() // ratio * ratio : T] = True
     keys[:, :, ~listed], values[:, :, ~listed] = np.nan, np.nan
     arrays = (bf16(q), bf16(keys), bf16(values), mx.array(ids), mx.array(valid))
     return arrays, tokens
@@ -300,7 +304,7 @@ def test_shared_tiles_match_float64_and_the_per_row_kernel(positions, overlap, m
     rng = np.random.default_rng([71, int(positions[0]), int(overlap * 100), mixed])
     choose = _tile_choice(rng, overlap, (lambda t: t % 2 == 0) if mixed else None)
     (q, keys, values, ids, valid), tokens = _flash_inputs(
-        rng, 24, 2, 256, 512, 4, positions, choose
+        rng, 24, 2, 256, 512, 4, positions, choose, written=True
     )
     pos = mx.array(positions.astype(np.int32))
     scale = 1 / 16
@@ -328,6 +332,8 @@ def test_shared_tiles_match_float64_and_the_per_row_kernel(positions, overlap, m
 def test_shared_tile_plan_is_pure_and_refuses_what_it_cannot_take(set_switch):
     from mlx_qsa.kernels import prefill_flash as pf
 
+    assert shared_applies(2048, 2, 132) and shared_applies(528, 2, 132)
+    assert not shared_applies(520, 2, 132)  # 65 tiles x 2 KV heads: short of a wave
     assert tile_limit(512) == 1024 and tile_limit(16) == 32
     assert union_keys(512) == 8192 and union_keys(16) == 256 and union_keys(1) == 16
     assert shared_unsupported(24, 2, 256, 512) is None

@@ -80,6 +80,12 @@ def tile_limit(k: int) -> int:
     return RT * k // 4
 
 
+def shared_applies(rows: int, n_kv: int, sm_count: int) -> bool:
+    """Whether a call takes the shared-tile form (pure): its row tiles must fill the GPU on
+    their own (the list form runs in one launch, without split-K)."""
+    return -(-rows // RT) * n_kv >= sm_count
+
+
 def union_keys(k: int) -> int:
     """Sort length of `tile_union`: the power of two that holds a tile's RT * k selections
     and RT tail blocks (pure)."""
@@ -148,7 +154,8 @@ def prefill_flash_cuda(
     positions int32 `[S]` -> `[1, H, S, d]` bf16. A row without tokens gives 0.
 
     `shared`: attend the 8-row tiles whose union of blocks is small over shared tiles, the
-    others per row (default ``shared_env()``; where the shapes do not allow it, per row)."""
+    others per row (None: ``shared_env()`` where `shared_applies`; where the shapes do not
+    allow it, per row)."""
     fn = "prefill_flash_cuda"
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
     _launch.check_row_lists(fn, rows, ("ids", "valid"), ids, valid, "[S, K]")
@@ -164,7 +171,7 @@ def prefill_flash_cuda(
     if not scale > 0:
         raise ValueError(f"{fn}: scale must be a positive float, got {scale}")
     if shared is None:
-        shared = shared_env()
+        shared = shared_env() and shared_applies(rows, n_kv, device.sm_count())
     if shared and shared_unsupported(n_heads, n_kv, d, k) is not None:
         shared = False
     template = (
@@ -180,9 +187,6 @@ def prefill_flash_cuda(
     if shared:
         limit = tile_limit(k)
         lists, counts = tile_union_cuda(ids, valid, positions, keys, ratio=ratio)
-        tiled = sdpa.sdpa_listed_cuda(
-            q, keys, values, positions, lists, counts, scale=scale, limit=limit, ratio=ratio
-        )
         names, inputs = names + ("counts",), inputs + [counts]
         template += (("LIMIT", limit),)
     kernel = _launch.build(
@@ -204,6 +208,7 @@ def prefill_flash_cuda(
     )[0]
     if not shared:
         return out
-    # each row from the kernel that wrote it: its tile's form
-    use_tile = mx.repeat(counts <= limit, RT)[:rows].reshape(1, 1, rows, 1)
-    return mx.where(use_tile, tiled, out)
+    # the shared tiles, and the other tiles' rows copied from the per-row kernel's output
+    return sdpa.sdpa_listed_cuda(
+        q, keys, values, positions, lists, counts, out, scale=scale, limit=limit, ratio=ratio
+    )

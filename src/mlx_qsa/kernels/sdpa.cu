@@ -22,7 +22,8 @@
 // blocks of its union list instead, lists [n_tiles, NE] int32 with counts [n_tiles] from
 // prefill_flash.cu tile_union (entry: block | rows << 24); row r of the tile sees the RATIO
 // tokens of an entry with bit r set, up to its position (tail blocks are partial). A tile whose
-// union has more than LIMIT blocks is left to the per-row kernel: its CTAs return at once.
+// union has more than LIMIT blocks was attended by the per-row kernel (prefill_flash.cu, which
+// skipped the others): its CTA copies those rows from that kernel's output, rowwise [1, H, S, D].
 // Row tiles run from the last (the longest causal spans) to the first, KV head fastest.
 // QSA_SPLIT (few rows: too few CTAs to fill the GPU): NSPLIT CTAs share a row tile, each taking
 // an even share of its token range in whole stages, and write split-K partials instead of out:
@@ -59,7 +60,16 @@ const int row = r0 + ar;
 const bool row_ok = row < S;
 #ifdef QSA_LIST
 const int tile = r0 / RT, n_list = counts[tile];
-if (n_list > LIMIT) return;  // CTA-uniform, before any barrier
+if (n_list > LIMIT) {  // CTA-uniform, before any barrier
+  for (int c = tid; c < G * RT * CPT; c += NT) {
+    const int h = j * G + c / (RT * CPT), r = r0 + c / CPT % RT, dc = c % CPT;
+    if (r < S) {
+      const long long at = ((long long)h * S + r) * D + dc * 8;
+      *reinterpret_cast<uint4*>(out + at) = *reinterpret_cast<const uint4*>(rowwise + at);
+    }
+  }
+  return;
+}
 int* list_s = reinterpret_cast<int*>(q_s + NW * 16 * VS);
 for (int i = tid; i < n_list; i += NT) list_s[i] = lists[(long long)tile * NE + i];
 #endif

@@ -165,6 +165,7 @@ def sdpa_listed_cuda(
     positions: mx.array,
     lists: mx.array,
     counts: mx.array,
+    rowwise: mx.array,
     *,
     scale: float,
     limit: int,
@@ -173,18 +174,17 @@ def sdpa_listed_cuda(
 ) -> mx.array:
     """The kernel over shared tiles (`prefill_flash` on CUDA, `kernels.prefill_flash`): row tile
     i attends the blocks of its union list `lists[i, :counts[i]]` (`tile_union_cuda`), a row the
-    RATIO tokens of the entries that list it, up to its position. Tiles whose union holds more
-    than `limit` blocks are not written (their rows are garbage: the caller takes them from the
-    per-row kernel). Arguments as `prefill_flash_cuda` checked them."""
+    RATIO tokens of the entries that list it, up to its position. The rows of tiles whose union
+    holds more than `limit` blocks are copied from `rowwise` (the per-row kernel's output, which
+    has them). One launch: callers keep it to calls whose row tiles fill the GPU
+    (`split_count` 1). Arguments as `prefill_flash_cuda` checked them."""
     tiling = TILING if tiling is None else tiling
     n_heads, rows, n_kv, d = q.shape[1], q.shape[2], keys.shape[1], q.shape[-1]
-    nsplit = split_count(rows, n_kv, limit * ratio, device.sm_count(), tiling.step)
     listed = (limit, ratio, lists.shape[1])
     run = _plan(
-        d, n_heads // n_kv, n_kv, rows, nsplit, False, False, _launch.float_bits(scale), tiling,
-        listed,
-    )  # fmt: skip
-    return run(q, keys, values, positions, lists, counts)
+        d, n_heads // n_kv, n_kv, rows, 1, False, False, _launch.float_bits(scale), tiling, listed
+    )
+    return run(q, keys, values, positions, lists, counts, rowwise)
 
 
 def listed_smem_bytes(d: int, g: int, limit: int, tiling: Tiling = TILING) -> int:
@@ -208,7 +208,7 @@ def _plan(
     smem = smem_bytes(d, g, tiling)
     if listed is not None:
         limit, ratio, width = listed
-        names += ("lists", "counts")
+        names += ("lists", "counts", "rowwise")
         template += (("LIMIT", limit), ("RATIO", ratio), ("NE", width))
         prefix += "#define QSA_LIST\n"
         key = ("list",)
