@@ -85,7 +85,7 @@ for what in "$@"; do
         2>&1 | tee "$OUT/shared_tests.log" | tail -20
       rc=$((rc | PIPESTATUS[0]))
       timeout 280 python3 benchmarks/prefill_shared_ab.py "$OUT/prefill_shared_ab_$GPU_TAG.json" \
-        --prefixes "${SHARED_PREFIXES:-32768,131072}" 2>&1 | tee "$OUT/prefill_shared_ab.log" | tail -20
+        --prefixes "${SHARED_PREFIXES:-32768,131072}" ${SHARED_AB_ARGS:-} 2>&1 | tee "$OUT/prefill_shared_ab.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     ncusdpa)  # Nsight Compute sections of the sdpa kernel (NCU_SDPA_FORMS tilings, default 64x2)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
