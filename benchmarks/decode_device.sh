@@ -20,6 +20,7 @@
 # gate:    the fused output gate's GPU tests and the layer-step A/B (benchmarks/gate_ab.py)
 # shared:  prefill_flash over shared tiles: test_cuda_prefill.py, then benchmarks/prefill_shared_ab.py
 #          (per row vs shared tiles vs torch at drifting selection overlaps; SHARED_PREFIXES)
+# ncushared: Nsight Compute of prefill_flash over shared tiles and per row, with stall reasons
 # ncusdpa: Nsight Compute sections of the sdpa kernel at 2048 rows after NCU_SDPA_PREFIX (8192),
 #          tilings NCU_SDPA_FORMS (64x2; e.g. "64x2 32x3 64x2_kv")
 # sdpa:    the masked-attention kernel's tests, the CUDA layer's masked chunks, then
@@ -87,6 +88,20 @@ for what in "$@"; do
       timeout 280 python3 benchmarks/prefill_shared_ab.py "$OUT/prefill_shared_ab_$GPU_TAG.json" \
         --prefixes "${SHARED_PREFIXES:-32768,131072}" ${SHARED_AB_ARGS:-} 2>&1 | tee "$OUT/prefill_shared_ab.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
+    ncushared)  # Nsight Compute of prefill_flash: every tile shared, then per row (32K, overlap 0.97)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      st=smsp__average_warps_issue_stalled
+      stalls=$st"_long_scoreboard_per_issue_active.ratio,"$st"_short_scoreboard_per_issue_active.ratio,"
+      stalls+=$st"_barrier_per_issue_active.ratio,"$st"_mio_throttle_per_issue_active.ratio,"
+      stalls+=$st"_math_pipe_throttle_per_issue_active.ratio,"$st"_wait_per_issue_active.ratio,"
+      stalls+=$st"_lg_throttle_per_issue_active.ratio,"$st"_not_selected_per_issue_active.ratio"
+      (cd benchmarks && MLX_USE_CUDA_GRAPHS=0 timeout 240 "$NCU" --clock-control none \
+        -k regex:qsa_ --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section Occupancy --section WarpStateStats --metrics "$stalls" \
+        python3 ncu_shared.py "${NCU_SHARED_PREFIX:-32768}" "${NCU_SHARED_OVERLAP:-0.97}") \
+        > "$OUT/ncu_shared.txt" 2>&1
+      echo "ncu shared rc $?"; grep -E "qsa_|Duration|L2 Hit|Memory Through|Achieved Occ|stalled|Warp Cycles Per Issued" \
+        "$OUT/ncu_shared.txt" | head -80 ;;
     ncusdpa)  # Nsight Compute sections of the sdpa kernel (NCU_SDPA_FORMS tilings, default 64x2)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       (cd benchmarks && MLX_USE_CUDA_GRAPHS=0 timeout 240 "$NCU" --clock-control none \
