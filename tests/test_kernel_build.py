@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not _TOOLS, reason="needs nvcc and ptxas on PATH
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_ptx.py"
 # launched without dynamic shared memory: static alone counts
-_NO_DYNAMIC = {"flash_merge", "flash_merge_gate"}
+_NO_DYNAMIC = {"flash_merge", "flash_merge_gate", "tile_union"}
 
 
 def _kernel_ptx():
