@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_qsa import bench
-from mlx_qsa.bench import mlx_pass, time_in_turns, torch_pass
+from mlx_qsa.bench import mlx_pass, time_in_turns, torch_causal_pass
 from mlx_qsa.kernels import prefill_flash as pf
 from mlx_qsa.kernels import sdpa
 
@@ -114,21 +114,7 @@ def point(
         name = f"all_tiles_{t.step}x{t.nstage}" + ("_kv" if t.kv_split else "")
         passes[name] = mlx_pass(lambda i, t=t: run(i, True, lifted, t), sets)
     if torch is not None:
-        from torch.nn.attention.bias import causal_lower_right
-        from torch.nn.functional import scaled_dot_product_attention as tsdpa
-
-        g = torch.Generator(device="cuda").manual_seed(T)
-        tsets = [
-            tuple(
-                torch.randn(*sh, generator=g, device="cuda").to(torch.bfloat16)
-                for sh in ((1, H, S, D), (1, H, T, D), (1, H, T, D))
-            )
-            for _ in range(sets)
-        ]
-        tmask = causal_lower_right(S, T)
-        passes["torch_causal"] = torch_pass(
-            lambda i: tsdpa(*tsets[i], attn_mask=tmask, scale=SCALE), sets, sync_each=True
-        )
+        passes["torch_causal"] = torch_causal_pass(H, D, S, T, sets, SCALE, sync_each=True)
     rec["timings"] = time_in_turns(passes, warmup, repeats)
     t = {k: v["median_us"] for k, v in rec["timings"].items()}
     rec["ratios"] = {

@@ -22,7 +22,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from mlx_qsa.bench import mlx_pass, time_in_turns, torch_pass
+from mlx_qsa.bench import mlx_pass, time_in_turns, torch_causal_pass
 from mlx_qsa.consumers.sdpa import sdpa
 from mlx_qsa.indexer import dense_keep_mask
 from mlx_qsa.kernels.sdpa import TILING, TILINGS, Tiling, sdpa_cuda
@@ -114,23 +114,7 @@ def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch, tilings: 
         passes[f"cuda_mask_{tiling_name(t)}"] = mlx_pass(mask_step, sets)
         passes[f"cuda_causal_{tiling_name(t)}"] = mlx_pass(causal_step, sets)
     if torch is not None:
-        from torch.nn.attention.bias import causal_lower_right
-        from torch.nn.functional import scaled_dot_product_attention as tsdpa
-
-        g = torch.Generator(device="cuda").manual_seed(T)
-        tsets = [
-            tuple(
-                torch.randn(*sh, generator=g, device="cuda").to(torch.bfloat16)
-                for sh in ((1, H, S, D), (1, H, T, D), (1, H, T, D))
-            )
-            for _ in range(sets)
-        ]
-        tmask = causal_lower_right(S, T)
-
-        def tstep(i):
-            return tsdpa(*tsets[i], attn_mask=tmask, scale=SCALE)
-
-        passes["torch_causal_sync"] = torch_pass(tstep, sets, sync_each=True)
+        passes["torch_causal_sync"] = torch_causal_pass(H, D, S, T, sets, SCALE, sync_each=True)
     rec["timings"] = time_in_turns(passes, warmup, repeats)
     flops = 4 * H * D * sum(P + r + 1 for r in range(S))  # the causal region, dense
     rec["causal_flops"] = flops

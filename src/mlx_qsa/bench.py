@@ -824,11 +824,18 @@ def matmul_ceiling(n: int, repeats: int = 5) -> dict[str, Any]:
 
 def _torch_prefill(cfg: QSAConfig, T: int, S: int, args: argparse.Namespace) -> Callable[[], float]:
     """torch's dense causal SDPA over the chunk's context, as a pass over its own sets."""
+    return torch_causal_pass(cfg.num_attention_heads, cfg.head_dim, S, T, args.sets, cfg.scale)
+
+
+def torch_causal_pass(
+    H: int, d: int, S: int, T: int, n_sets: int, scale: float, sync_each: bool = False
+) -> Callable[[], float]:
+    """torch's dense causal SDPA of S rows (the last S positions) over T tokens, H heads of d,
+    bf16, as a `torch_pass` over `n_sets` sets of its own (seeded by T)."""
     import torch
     from torch.nn.attention.bias import causal_lower_right
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    H, d = cfg.num_attention_heads, cfg.head_dim
     g = torch.Generator(device="cuda").manual_seed(T)
     bf = torch.bfloat16
     sets = [
@@ -836,15 +843,15 @@ def _torch_prefill(cfg: QSAConfig, T: int, S: int, args: argparse.Namespace) -> 
             torch.randn(*sh, generator=g, device="cuda").to(bf)
             for sh in ((1, H, S, d), (1, H, T, d), (1, H, T, d))
         )
-        for _ in range(args.sets)
+        for _ in range(n_sets)
     ]
     mask = causal_lower_right(S, T)  # rows are the last S positions
 
     def step(i: int):
         q, k, v = sets[i]
-        return sdpa(q, k, v, attn_mask=mask, scale=cfg.scale)
+        return sdpa(q, k, v, attn_mask=mask, scale=scale)
 
-    return torch_pass(step, args.sets)
+    return torch_pass(step, n_sets, sync_each=sync_each)
 
 
 def prefill_rates(doc_body: dict[str, Any]) -> None:
