@@ -46,6 +46,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_thr
   --format=csv -lms 200 > "$OUT/smi.csv" 2>/dev/null &
 smi=$!
 rc=0
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 for what in "$@"; do
   case "$what" in
     tests)  # the decode kernels' tests; `tests2` has the rest
@@ -89,7 +90,6 @@ for what in "$@"; do
         --prefixes "${SHARED_PREFIXES:-32768,131072}" ${SHARED_AB_ARGS:-} 2>&1 | tee "$OUT/prefill_shared_ab.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     ncushared)  # Nsight Compute of prefill_flash: every tile shared, then per row (32K, overlap 0.97)
-      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       st=smsp__average_warps_issue_stalled
       stalls=$st"_long_scoreboard_per_issue_active.ratio,"$st"_short_scoreboard_per_issue_active.ratio,"
       stalls+=$st"_barrier_per_issue_active.ratio,"$st"_mio_throttle_per_issue_active.ratio,"
@@ -103,7 +103,6 @@ for what in "$@"; do
       echo "ncu shared rc $?"; grep -E "qsa_|Duration|L2 Hit|Memory Through|Achieved Occ|stalled|Warp Cycles Per Issued" \
         "$OUT/ncu_shared.txt" | head -80 ;;
     ncusdpa)  # Nsight Compute sections of the sdpa kernel (NCU_SDPA_FORMS tilings, default 64x2)
-      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       (cd benchmarks && MLX_USE_CUDA_GRAPHS=0 timeout 240 "$NCU" --clock-control none \
         -k regex:qsa_attend --section SpeedOfLight --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
@@ -160,7 +159,6 @@ PY
         | tee "$OUT/prefill_parts.log"
       rc=$((rc | PIPESTATUS[0])) ;;
     ncuprefill)
-      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       for pre in ${NCU_PREFIXES:-32768 131072}; do
         MLX_USE_CUDA_GRAPHS=0 timeout 200 "$NCU" --clock-control none --cache-control all \
           -k regex:qsa_ --section SpeedOfLight --section MemoryWorkloadAnalysis \

@@ -174,7 +174,7 @@ JOBS = {
     ),
     # the other tilings benchmarks/sdpa_ab.py times (kernels.sdpa.TILINGS)
     **{
-        f"sdpa_mask_causal_{t.step}x{t.nstage}{'_kv' if t.kv_split else ''}": (
+        f"sdpa_mask_causal_{t.label}": (
             "sdpa.cu", "attend",
             [("q", BF), ("keys", BF), ("values", BF), ("pos", "int32_t"), ("mask", "bool")],
             [("out", BF)],

@@ -11,26 +11,16 @@ import sys
 
 import mlx.core as mx
 import numpy as np
-from sdpa_ab import HKV, SCALE, D, H, keep_mask
+from sdpa_ab import SCALE, keep_mask, random_chunk
 
 from mlx_qsa.kernels.sdpa import TILING, Tiling, sdpa_cuda
 
 
-def tiling(name: str) -> Tiling:
-    dims, _, kv = name.partition("_")
-    step, nstage = (int(x) for x in dims.split("x"))
-    return Tiling(step, nstage, kv == "kv")
-
-
 def main() -> None:
     P, S = int(sys.argv[1]), 2048
-    forms = [tiling(n) for n in sys.argv[2:]] or [TILING]
+    forms = [Tiling.from_label(n) for n in sys.argv[2:]] or [TILING]
     T = P + S
-    cap = -(-T // 256) * 256
-    k1, k2, k3 = mx.random.split(mx.random.key(P), 3)
-    q = mx.random.normal((1, H, S, D), key=k1).astype(mx.bfloat16)
-    keys = mx.random.normal((1, HKV, cap, D), key=k2).astype(mx.bfloat16)
-    values = mx.random.normal((1, HKV, cap, D), key=k3).astype(mx.bfloat16)
+    q, keys, values = random_chunk(mx.random.key(P), S, T)
     mask = keep_mask(np.random.default_rng(P), S, P)
     pos = mx.array(np.arange(P, T, dtype=np.int32))
     mx.eval(q, keys, values, mask, pos)

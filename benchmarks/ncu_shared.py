@@ -12,7 +12,8 @@ from unittest import mock
 
 import mlx.core as mx
 import numpy as np
-from prefill_shared_ab import HKV, SCALE, D, H, K, S, drifting_selection
+from prefill_shared_ab import SCALE, K, S, drifting_selection
+from sdpa_ab import random_chunk
 
 from mlx_qsa.kernels import prefill_flash as pf
 
@@ -20,11 +21,7 @@ from mlx_qsa.kernels import prefill_flash as pf
 def main() -> None:
     P, overlap = int(sys.argv[1]), float(sys.argv[2])
     T = P + S
-    cap = -(-T // 256) * 256
-    k1, k2, k3 = mx.random.split(mx.random.key(P), 3)
-    q = mx.random.normal((1, H, S, D), key=k1).astype(mx.bfloat16)
-    keys = mx.random.normal((1, HKV, cap, D), key=k2).astype(mx.bfloat16)
-    values = mx.random.normal((1, HKV, cap, D), key=k3).astype(mx.bfloat16)
+    q, keys, values = random_chunk(mx.random.key(P), S, T)
     ids, valid = (mx.array(a) for a in drifting_selection(np.random.default_rng(P), P, overlap))
     pos = mx.array(np.arange(P, T, dtype=np.int32))
     mx.eval(q, keys, values, ids, valid, pos)

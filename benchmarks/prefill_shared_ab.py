@@ -26,14 +26,14 @@ from unittest import mock
 
 import mlx.core as mx
 import numpy as np
+from sdpa_ab import HKV, SCALE, D, H, K, R, random_chunk, rel
 
 from mlx_qsa import bench
 from mlx_qsa.bench import mlx_pass, time_in_turns, torch_causal_pass
 from mlx_qsa.kernels import prefill_flash as pf
 from mlx_qsa.kernels import sdpa
 
-H, HKV, D, K, R, S = 24, 2, 256, 512, 4, 2048
-SCALE = 1 / 16
+S = 2048  # rows of the chunk
 
 
 def drifting_selection(rng, P: int, overlap: float) -> tuple[np.ndarray, np.ndarray]:
@@ -60,14 +60,10 @@ def point(
 ) -> dict:
     rng = np.random.default_rng([P, int(overlap * 1000)])
     T = P + S
-    cap = -(-T // 256) * 256
     pos = mx.array(np.arange(P, T, dtype=np.int32))
     data = []
     for i in range(sets):
-        k1, k2, k3 = mx.random.split(mx.random.key(7 * P + i), 3)
-        q = mx.random.normal((1, H, S, D), key=k1).astype(mx.bfloat16)
-        keys = mx.random.normal((1, HKV, cap, D), key=k2).astype(mx.bfloat16)
-        values = mx.random.normal((1, HKV, cap, D), key=k3).astype(mx.bfloat16)
+        q, keys, values = random_chunk(mx.random.key(7 * P + i), S, T)
         ids, valid = (mx.array(a) for a in drifting_selection(rng, P, overlap))
         mx.eval(q, keys, values, ids, valid)
         data.append((q, keys, values, ids, valid))
@@ -91,10 +87,6 @@ def point(
     c = np.array(counts)
     a, b, f = run(0, False), run(0, True), run(0, True, lifted)
 
-    def rel(x, y):
-        x, y = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
-        return float(np.linalg.norm(x - y) / np.linalg.norm(y))
-
     rec = {
         "prefix": P,
         "rows": S,
@@ -111,8 +103,7 @@ def point(
         "all_tiles": mlx_pass(lambda i: run(i, True, lifted), sets),
     }
     for t in tilings:  # the list form's other K/V streaming forms
-        name = f"all_tiles_{t.step}x{t.nstage}" + ("_kv" if t.kv_split else "")
-        passes[name] = mlx_pass(lambda i, t=t: run(i, True, lifted, t), sets)
+        passes[f"all_tiles_{t.label}"] = mlx_pass(lambda i, t=t: run(i, True, lifted, t), sets)
     if torch is not None:
         passes["torch_causal"] = torch_causal_pass(H, D, S, T, sets, SCALE, sync_each=True)
     rec["timings"] = time_in_turns(passes, warmup, repeats)
@@ -137,12 +128,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tilings", action="store_true", help="also the list form in other tilings")
     args = ap.parse_args()
-    try:
-        import torch
-
-        torch = torch if torch.cuda.is_available() else None
-    except ImportError:
-        torch = None
+    torch = bench._torch_cuda()
     doc = {
         "bench": "prefill_shared_ab",
         "device_name": torch.cuda.get_device_name() if torch is not None else None,

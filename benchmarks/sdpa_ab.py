@@ -22,13 +22,30 @@ import sys
 import mlx.core as mx
 import numpy as np
 
+from mlx_qsa import bench
 from mlx_qsa.bench import mlx_pass, time_in_turns, torch_causal_pass
 from mlx_qsa.consumers.sdpa import sdpa
 from mlx_qsa.indexer import dense_keep_mask
-from mlx_qsa.kernels.sdpa import TILING, TILINGS, Tiling, sdpa_cuda
+from mlx_qsa.kernels.sdpa import TILING, TILINGS, sdpa_cuda
 
 H, HKV, D, K, R = 24, 2, 256, 512, 4
 SCALE = 1 / 16
+
+
+def random_chunk(key: mx.array, S: int, T: int) -> tuple[mx.array, mx.array, mx.array]:
+    """bf16 normal q `[1, H, S, D]` and K/V backings `[1, HKV, cap, D]` (T rounded up to 256)."""
+    cap = -(-T // 256) * 256
+    k1, k2, k3 = mx.random.split(key, 3)
+    q = mx.random.normal((1, H, S, D), key=k1).astype(mx.bfloat16)
+    keys = mx.random.normal((1, HKV, cap, D), key=k2).astype(mx.bfloat16)
+    values = mx.random.normal((1, HKV, cap, D), key=k3).astype(mx.bfloat16)
+    return q, keys, values
+
+
+def rel(x: mx.array, y: mx.array) -> float:
+    """Relative distance of x from y (float32, Frobenius norm)."""
+    x, y = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
+    return float(np.linalg.norm(x - y) / np.linalg.norm(y))
 
 
 def keep_mask(rng, S: int, P: int) -> mx.array:
@@ -46,22 +63,12 @@ def keep_mask(rng, S: int, P: int) -> mx.array:
     return m[None, None, :, :T]
 
 
-def tiling_name(t: Tiling) -> str:
-    return f"{t.step}x{t.nstage}" + ("_kv" if t.kv_split else "")
-
-
 def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch, tilings: tuple = ()) -> dict:
     rng = np.random.default_rng([S, P])
     T = P + S
-    cap = -(-T // 256) * 256
-    bf = mx.bfloat16
     data = []
     for i in range(sets):
-        k = mx.random.key(1000 * S + P + i)
-        k1, k2, k3 = mx.random.split(k, 3)
-        q = mx.random.normal((1, H, S, D), key=k1).astype(bf)
-        keys = mx.random.normal((1, HKV, cap, D), key=k2).astype(bf)
-        values = mx.random.normal((1, HKV, cap, D), key=k3).astype(bf)
+        q, keys, values = random_chunk(mx.random.key(1000 * S + P + i), S, T)
         mask = keep_mask(rng, S, P)
         mx.eval(q, keys, values, mask)
         data.append((q, keys, values, mask))
@@ -74,18 +81,14 @@ def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch, tilings: 
     c = sdpa_cuda(q, keys, values, pos, scale=SCALE, context=T)
     d = sdpa(q, keys, values, T, SCALE, mask="causal")
 
-    def rel(x, y):
-        x, y = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
-        return float(np.linalg.norm(x - y) / np.linalg.norm(y))
-
     rec["rel_diff_vs_mlx"] = {"mask": rel(a, b), "causal": rel(c, d)}
     for t in tilings:
         a = sdpa_cuda(
             q, keys, values, pos, scale=SCALE, mask=mask, context=T, within_causal=True, tiling=t
         )
         c = sdpa_cuda(q, keys, values, pos, scale=SCALE, context=T, tiling=t)
-        rec["rel_diff_vs_mlx"][f"mask_{tiling_name(t)}"] = rel(a, b)
-        rec["rel_diff_vs_mlx"][f"causal_{tiling_name(t)}"] = rel(c, d)
+        rec["rel_diff_vs_mlx"][f"mask_{t.label}"] = rel(a, b)
+        rec["rel_diff_vs_mlx"][f"causal_{t.label}"] = rel(c, d)
     rec["mask_density"] = float(np.array(mask).mean())
     passes = {
         "cuda_mask": mlx_pass(
@@ -111,8 +114,8 @@ def point(S: int, P: int, sets: int, warmup: int, repeats: int, torch, tilings: 
         def causal_step(i, t=t):
             return sdpa_cuda(*data[i][:3], pos, scale=SCALE, context=T, tiling=t)
 
-        passes[f"cuda_mask_{tiling_name(t)}"] = mlx_pass(mask_step, sets)
-        passes[f"cuda_causal_{tiling_name(t)}"] = mlx_pass(causal_step, sets)
+        passes[f"cuda_mask_{t.label}"] = mlx_pass(mask_step, sets)
+        passes[f"cuda_causal_{t.label}"] = mlx_pass(causal_step, sets)
     if torch is not None:
         passes["torch_causal_sync"] = torch_causal_pass(H, D, S, T, sets, SCALE, sync_each=True)
     rec["timings"] = time_in_turns(passes, warmup, repeats)
@@ -139,12 +142,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer points")
     ap.add_argument("--tilings", action="store_true", help="also kernels.sdpa.TILINGS")
     args = ap.parse_args()
-    try:
-        import torch
-
-        torch = torch if torch.cuda.is_available() else None
-    except ImportError:
-        torch = None
+    torch = bench._torch_cuda()
     big = [(2048, 2048), (2048, 8192), (2048, 30720)]
     small = [(2, 8192), (4, 2048), (4, 8192), (8, 8192), (16, 8192), (64, 8192), (256, 8192)]
     pts = big + ([] if args.quick else small)
@@ -156,7 +154,7 @@ def main() -> int:
         "versions": {"mlx": mx.__version__, "python": platform.python_version()},
         "geometry": {"H": H, "Hkv": HKV, "d": D, "K": K, "ratio": R},
         "points": [],
-        "tiling": tiling_name(TILING),
+        "tiling": TILING.label,
     }
     if torch is not None:
         doc["versions"]["torch"] = torch.__version__

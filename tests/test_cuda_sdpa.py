@@ -179,7 +179,7 @@ def test_every_split_count_agrees(masked):
 
 
 @needs_cuda
-@pytest.mark.parametrize("tiling", TILINGS, ids=lambda t: f"{t.step}x{t.nstage}_kv{t.kv_split:d}")
+@pytest.mark.parametrize("tiling", TILINGS, ids=lambda t: t.label)
 def test_every_tiling_matches_float64(tiling):
     """Each K/V streaming form (32 or 64 tokens a stage, 2 to 4 slots, K and V in one cp.async
     group or two): causal rows, a keep-mask within the causal bound read as words and a strided

@@ -106,7 +106,7 @@ def shared_unsupported(n_heads: int, n_kv: int, d: int, k: int) -> str | None:
     why = device.shared_memory_unsupported(limits, nbytes, "the shared-tile kernel")
     if why is not None:
         return why
-    if union_keys(k) * 4 > 48 * 1024:
+    if union_keys(k) * 4 > device.DEFAULT_BLOCK_SMEM:  # the sort's static shared memory
         return f"a tile's {RT} x {k} selections exceed the union sort's 48 KB"
     return None
 

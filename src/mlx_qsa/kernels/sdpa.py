@@ -28,6 +28,17 @@ class Tiling(NamedTuple):
     nstage: int = 2
     kv_split: bool = False
 
+    @property
+    def label(self) -> str:
+        """ "64x2", "32x3_kv": how benchmarks name the form (`from_label` reads it back)."""
+        return f"{self.step}x{self.nstage}" + ("_kv" if self.kv_split else "")
+
+    @classmethod
+    def from_label(cls, label: str) -> Tiling:
+        dims, _, kv = label.partition("_")
+        step, nstage = (int(x) for x in dims.split("x"))
+        return cls(step, nstage, kv == "kv")
+
 
 TILING = Tiling()  # what calls get unless told (`tiling=`)
 # The forms timed side by side on a GPU (benchmarks/sdpa_ab.py --tilings).
