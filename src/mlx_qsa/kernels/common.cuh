@@ -133,6 +133,60 @@ __device__ __forceinline__ void pv_k16(float (&o)[D / 8][4], const float (&p0)[4
   }
 }
 
+// One online-softmax step (base 2) of an m16 tile's scores sc over N8 n8 column tiles, in the
+// mma C layout (a lane holds row lane / 4 in e = 0, 1 and row lane / 4 + 8 in e = 2, 3). Bit
+// 2 nt + e % 2 of vis says whether the lane's column of tile nt is seen; the others score -inf.
+// Scales the seen scores by sl2 (the softmax scale times log2 e), moves the rows' running maxima
+// m0, m1 (over the quad of lanes sharing a row) and sums l0, l1, rescales O, and leaves the
+// weights 2^(s - m) in sc. A row that has seen nothing keeps m = -inf and weights 0.
+template <int N8, int NTILE>
+__device__ __forceinline__ void online_softmax(float (&sc)[N8][4], unsigned vis, float sl2,
+                                               float& m0, float& m1, float& l0, float& l1,
+                                               float (&o)[NTILE][4]) {
+  float mx0 = neg_inf(), mx1 = neg_inf();
+#pragma unroll
+  for (int nt = 0; nt < N8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool ok = (vis >> (2 * nt + (e & 1))) & 1u;
+      sc[nt][e] = ok ? sc[nt][e] * sl2 : neg_inf();
+      if (e < 2) mx0 = fmaxf(mx0, sc[nt][e]);
+      else mx1 = fmaxf(mx1, sc[nt][e]);
+    }
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, off));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, off));
+  }
+  const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+  // a row that has seen nothing yet keeps max -inf: measure from 0 (its weights are all 0)
+  const float b0 = n0 == neg_inf() ? 0.f : n0, b1 = n1 == neg_inf() ? 0.f : n1;
+  const float al0 = exp2f(m0 - b0), al1 = exp2f(m1 - b1);
+  m0 = n0;
+  m1 = n1;
+#pragma unroll
+  for (int nt = 0; nt < N8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[nt][e] = exp2f(sc[nt][e] - (e < 2 ? b0 : b1));
+  float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < N8; ++nt) {
+    s0 += sc[nt][0] + sc[nt][1];
+    s1 += sc[nt][2] + sc[nt][3];
+  }
+  l0 = l0 * al0 + s0;
+  l1 = l1 * al1 + s1;
+  if (__any_sync(FULL_MASK, al0 != 1.f || al1 != 1.f)) {  // x * 1 is exact: skip it
+#pragma unroll
+    for (int n = 0; n < NTILE; ++n) {
+      o[n][0] *= al0;
+      o[n][1] *= al0;
+      o[n][2] *= al1;
+      o[n][3] *= al1;
+    }
+  }
+}
+
 // Adds 1 to hist[digit] for every active lane; lanes sharing a digit add once together
 // (radix digits of similar floats collide heavily). Every lane of the warp must call it.
 __device__ __forceinline__ void hist_add(unsigned* hist, unsigned digit, bool active) {

@@ -137,48 +137,18 @@ for (int s = 0; s < n_steps; ++s) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) qsa::mma_16816(sc[nt], a, b[2 * nt], b[2 * nt + 1]);
     }
-    // mask tokens past the list, scale into base 2, online softmax per row
-    float mx0 = qsa::neg_inf(), mx1 = qsa::neg_inf();
+    // tokens past the list are masked; the warp's first token is always listed
+    unsigned vis = 0u;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = tb + nt * 8 + ak + (e & 1);
-        sc[nt][e] = t < n_tok ? sc[nt][e] * sl2 : qsa::neg_inf();
-        if (e < 2) mx0 = fmaxf(mx0, sc[nt][e]);
-        else mx1 = fmaxf(mx1, sc[nt][e]);
-      }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(qsa::FULL_MASK, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(qsa::FULL_MASK, mx1, off));
-    }
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    // the warp's first token is always listed, so n0, n1 are finite here
-    const float al0 = exp2f(m0 - n0), al1 = exp2f(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    float ps[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ps[nt][e] = exp2f(sc[nt][e] - (e < 2 ? n0 : n1));
-    l0 = l0 * al0 + ps[0][0] + ps[0][1] + ps[1][0] + ps[1][1];
-    l1 = l1 * al1 + ps[0][2] + ps[0][3] + ps[1][2] + ps[1][3];
-    if (__any_sync(qsa::FULL_MASK, al0 != 1.f || al1 != 1.f)) {  // x * 1 is exact: skip it
-#pragma unroll
-      for (int n = 0; n < NTILE; ++n) {
-        o[n][0] *= al0;
-        o[n][1] *= al0;
-        o[n][2] *= al1;
-        o[n][3] *= al1;
-      }
-    }
+      for (int e = 0; e < 2; ++e) vis |= (unsigned)(tb + nt * 8 + ak + e < n_tok) << (2 * nt + e);
+    qsa::online_softmax<2, NTILE>(sc, vis, sl2, m0, m1, l0, l1, o);  // sc: weights now
     // O += P V over the warp's 16 tokens
     const int mi = lane >> 3, li = lane & 7;
     const unsigned vrow = (unsigned)__cvta_generic_to_shared(vs + ((mi & 1) * 8 + li) * VS +
                                                             (mi >> 1) * 8);
-    qsa::pv_k16<D>(o, ps[0], ps[1], vrow);
+    qsa::pv_k16<D>(o, sc[0], sc[1], vrow);
   }
   __syncthreads();  // a later iteration refills this stage
 }

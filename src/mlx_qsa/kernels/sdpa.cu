@@ -289,57 +289,14 @@ for (int s = 0; s < n_steps; ++s) {
         for (int h = 0; h < 2; ++h) qsa::mma_16816(sc[2 * np + h], a, b[2 * h], b[2 * h + 1]);
       }
     }
-    // mask, scale into base 2, online softmax per accumulator row
-    float mx0 = qsa::neg_inf(), mx1 = qsa::neg_inf();
-#pragma unroll
-    for (int nt = 0; nt < STEP / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool ok = (vis >> (2 * nt + (e & 1))) & 1u;
-        sc[nt][e] = ok ? sc[nt][e] * sl2 : qsa::neg_inf();
-        if (e < 2) mx0 = fmaxf(mx0, sc[nt][e]);
-        else mx1 = fmaxf(mx1, sc[nt][e]);
-      }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(qsa::FULL_MASK, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(qsa::FULL_MASK, mx1, off));
-    }
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    // a row that has seen nothing yet keeps max -inf: measure from 0 (its weights are all 0)
-    const float b0 = n0 == qsa::neg_inf() ? 0.f : n0, b1 = n1 == qsa::neg_inf() ? 0.f : n1;
-    const float al0 = exp2f(m0 - b0), al1 = exp2f(m1 - b1);
-    m0 = n0;
-    m1 = n1;
-    float ps[STEP / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < STEP / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ps[nt][e] = exp2f(sc[nt][e] - (e < 2 ? b0 : b1));
-    float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < STEP / 8; ++nt) {
-      s0 += ps[nt][0] + ps[nt][1];
-      s1 += ps[nt][2] + ps[nt][3];
-    }
-    l0 = l0 * al0 + s0;
-    l1 = l1 * al1 + s1;
-    if (__any_sync(qsa::FULL_MASK, al0 != 1.f || al1 != 1.f)) {  // x * 1 is exact: skip it
-#pragma unroll
-      for (int n = 0; n < NTILE; ++n) {
-        o[n][0] *= al0;
-        o[n][1] *= al0;
-        o[n][2] *= al1;
-        o[n][3] *= al1;
-      }
-    }
+    qsa::online_softmax<STEP / 8, NTILE>(sc, vis, sl2, m0, m1, l0, l1, o);  // sc: weights now
 #ifdef QSA_KV_SPLIT
     asm volatile("cp.async.wait_group %0;\n" ::"n"(GPS * NSTAGE - 2));  // and its V
     __syncthreads();  // live is the CTA's: every thread reaches this barrier or none
 #endif
 #pragma unroll
     for (int c2 = 0; c2 < STEP / 16; ++c2)  // O += P V, 16 tokens a k16 step
-      qsa::pv_k16<D>(o, ps[2 * c2], ps[2 * c2 + 1], vs + v_off + c2 * 16 * VS * 2);
+      qsa::pv_k16<D>(o, sc[2 * c2], sc[2 * c2 + 1], vs + v_off + c2 * 16 * VS * 2);
   }
   __syncthreads();  // the next iteration refills this stage
 }
