@@ -136,10 +136,16 @@ JOBS = {
          ("SCALE_BITS", 1031798784), ("LIMIT", 1024)], "#define QSA_TILE_SKIP\n",
     ),
     "tile_union": (
-        "prefill_flash.cu", "tile_union",
+        "prefill_flash.cu", "union_pre+tile_union",
         [("ids", "int32_t"), ("valid", "bool"), ("pos", "int32_t"), ("keys", BF)],
         [("lists", "int32_t"), ("counts", "int32_t")],
-        [("K", 512), ("RATIO", 4), ("NKEYS", 8192), ("NT", 512)], "",
+        [("K", 512), ("RATIO", 4), ("NT", 512), ("NKEYS", 8192)], "",
+    ),
+    "tile_union_bitmap": (
+        "prefill_flash.cu", "union_pre+tile_union_bitmap",
+        [("ids", "int32_t"), ("valid", "bool"), ("pos", "int32_t"), ("keys", BF)],
+        [("lists", "int32_t"), ("counts", "int32_t")],
+        [("K", 512), ("RATIO", 4), ("NT", 512), ("NBMAX", 65536)], "",
     ),
     "sdpa_list": (
         "sdpa.cu", "attend",

@@ -276,16 +276,18 @@ def _ref_union(ids, valid, positions, cap, ratio):
     ],
 )
 def test_tile_union_lists_each_tiles_blocks_once(positions, overlap):
+    """Both forms (a bitonic sort; a table of row bits per block) list the reference union."""
     rng = np.random.default_rng([67, int(positions[0]), int(overlap * 100)])
     choose = _tile_choice(rng, overlap)
     (_, keys, _, ids, valid), _ = _flash_inputs(rng, 4, 2, 64, 512, 4, positions, choose)
     pos = mx.array(positions.astype(np.int32))
-    lists, counts = tile_union_cuda(ids, valid, pos, keys, ratio=4)
     want = _ref_union(ids, valid, positions, keys.shape[2], 4)
-    got_l, got_c = np.array(lists).view(np.uint32), np.array(counts)
-    assert got_c.tolist() == [len(w) for w in want]
-    for t, w in enumerate(want):
-        assert got_l[t, : len(w)].tolist() == [x & 0xFFFFFFFF for x in w], f"tile {t}"
+    for form in ("sort", "table"):
+        lists, counts = tile_union_cuda(ids, valid, pos, keys, ratio=4, form=form)
+        got_l, got_c = np.array(lists).view(np.uint32), np.array(counts)
+        assert got_c.tolist() == [len(w) for w in want], form
+        for t, w in enumerate(want):
+            assert got_l[t, : len(w)].tolist() == [x & 0xFFFFFFFF for x in w], (form, t)
 
 
 @needs_cuda
@@ -332,6 +334,12 @@ def test_shared_tiles_match_float64_and_the_per_row_kernel(positions, overlap, m
 def test_shared_tile_plan_is_pure_and_refuses_what_it_cannot_take(set_switch):
     from mlx_qsa.kernels import prefill_flash as pf
 
+    # the table holds blocks 0..65535: a backing of 262140 tokens, not one of 262144
+    assert pf.union_form((1 << 18) - 4, 4) == ("table" if pf.UNION_TABLE else "sort")
+    assert pf.union_form(1 << 18, 4) == "sort"
+    with pytest.raises(ValueError, match="form must be 'table' or 'sort'"):
+        z = mx.zeros((8, 16), mx.int32)
+        tile_union_cuda(z, z > 0, z[:, 0], mx.zeros((1, 1, 64, 8)), ratio=4, form="heap")
     assert shared_applies(2048, 2, 132) and shared_applies(528, 2, 132)
     assert not shared_applies(520, 2, 132)  # 65 tiles x 2 KV heads: short of a wave
     assert tile_limit(512) == 1024 and tile_limit(16) == 32

@@ -204,34 +204,28 @@ for (int i = tid; i < G * D; i += NT) {
   out[((long long)(j * G + h) * S + row) * D + c] = __float2bfloat16(v);
 }
 
-//// kernel: tile_union
+//// kernel: union_pre
 // The shared tiles of `prefill_flash` (PERFORMANCE.md §3: rows of a query tile share K/V tiles):
 // for each tile of RT = 8 consecutive rows, the union of the rows' valid selected blocks and of
 // their tail blocks, in ascending block order, each entry packed as block | rows << 24 (bit r:
 // row r of the tile attends that block; a tail block only up to the row's position, which the
 // attention applies). ids [S, K] int32, valid [S, K] bool, pos [S] int32, keys (its shape only:
 // the backing's length) -> lists [n_tiles, NE] int32 (NE = K * RT + RT; entries past the count
-// are not written), counts [n_tiles] int32.
-// One CTA of NT threads a tile: the tile's (block << 3 | row) keys in shared memory, a bitonic
-// sort, then the first key of each block's run becomes an entry (a block-wide scan places it)
-// with the OR of its run's rows.
-// Template: K, RATIO, NKEYS (a power of two >= NE), NT.
-constexpr int RT = 8, NE = K * RT + RT, EPT = NKEYS / NT;
+// are not written), counts [n_tiles] int32. One CTA of NT threads a tile.
+// This part: key_of(i), the tile's i-th (block << 3 | row) key, i < NE (NONE where the slot is
+// invalid, out of range, or the row has no tail); tile_union or tile_union_bitmap follows.
+// Template: K, RATIO, NT (+ NKEYS or NBMAX).
+constexpr int RT = 8, NE = K * RT + RT;
 constexpr unsigned NONE = 0xFFFFFFFFu, MAX_BLOCK = 1u << 24;
-static_assert((NKEYS & (NKEYS - 1)) == 0 && NKEYS >= NE, "NKEYS: a power of two >= K RT + RT");
-static_assert(NKEYS % NT == 0, "the keys split evenly over the threads");
-__shared__ unsigned key_s[NKEYS];
-__shared__ int scan_s[NT / 32 + 1];
 const int tid = threadIdx.x, tile = blockIdx.x, S = pos_shape[0];
 const long long cap = keys_shape[2];
-for (int i = tid; i < NKEYS; i += NT) {
-  unsigned key = NONE;
+auto key_of = [&](int i) -> unsigned {
   if (i < K * RT) {
     const int r = i / K, e = i % K, row = tile * RT + r;
     if (row < S && valid[row * valid_strides[0] + e * valid_strides[1]]) {
       const int id = ids[row * ids_strides[0] + e * ids_strides[1]];
       if (id >= 0 && (unsigned)id < MAX_BLOCK && (long long)(id + 1) * RATIO <= cap)
-        key = (unsigned)id << 3 | r;
+        return (unsigned)id << 3 | r;
     }
   } else if (i < NE) {
     const int r = i - K * RT, row = tile * RT + r;
@@ -239,11 +233,22 @@ for (int i = tid; i < NKEYS; i += NT) {
       const int p = pos[row * pos_strides[0]];
       const int tail0 = (p + 1) / RATIO * RATIO;
       if (p >= 0 && p + 1 > tail0 && (unsigned)(tail0 / RATIO) < MAX_BLOCK)
-        key = (unsigned)(tail0 / RATIO) << 3 | r;
+        return (unsigned)(tail0 / RATIO) << 3 | r;
     }
   }
-  key_s[i] = key;
-}
+  return NONE;
+};
+__shared__ int scan_s[NT / 32 + 1];
+
+//// kernel: tile_union
+// The union by sorting: the tile's keys in shared memory, a bitonic sort, then the first key of
+// each block's run becomes an entry (a block-wide scan places it) with the OR of its run's rows.
+// Any context. Template NKEYS: a power of two >= NE.
+constexpr int EPT = NKEYS / NT;
+static_assert((NKEYS & (NKEYS - 1)) == 0 && NKEYS >= NE, "NKEYS: a power of two >= K RT + RT");
+static_assert(NKEYS % NT == 0, "the keys split evenly over the threads");
+__shared__ unsigned key_s[NKEYS];
+for (int i = tid; i < NKEYS; i += NT) key_s[i] = key_of(i);
 __syncthreads();
 for (int size = 2; size <= NKEYS; size <<= 1)
   for (int stride = size >> 1; stride > 0; stride >>= 1) {
@@ -279,6 +284,42 @@ for (int e = 0; e < EPT; ++e) {
       rows |= 1u << (key_s[j] & 7u);
     lists[(long long)tile * NE + at] = (int)((k >> 3) | rows << 24);
     ++at;
+  }
+}
+if (tid == 0) counts[tile] = total;
+
+//// kernel: tile_union_bitmap
+// The union by a table: byte b of word w of the dynamic shared memory holds the rows of block
+// 4 w + b. Every key ORs its row in (shared atomics), then a block-wide scan over the table's
+// nonzero bytes writes the entries in block order: the sort's lists exactly, without sorting.
+// For contexts of fewer than NBMAX blocks (the launcher checks). Template NBMAX: the table's
+// bytes, a multiple of 4 NT.
+static_assert(NBMAX % (4 * NT) == 0, "the table splits evenly over the threads");
+extern __shared__ unsigned rows_s[];
+const int nw = min((int)((cap / RATIO + 1 + 3) / 4), NBMAX / 4);  // blocks <= cap / RATIO
+for (int w = tid; w < nw; w += NT) rows_s[w] = 0u;
+__syncthreads();
+for (int i = tid; i < NE; i += NT) {
+  const unsigned k = key_of(i);
+  if (k != NONE && (k >> 3) < 4u * nw)
+    atomicOr(&rows_s[k >> 5], 1u << (((k >> 3) & 3u) * 8 + (k & 7u)));
+}
+__syncthreads();
+const int per = (nw + NT - 1) / NT, w0 = min(nw, tid * per), w1 = min(nw, w0 + per);
+int cnt = 0;
+for (int w = w0; w < w1; ++w) {
+  const unsigned v = rows_s[w];
+#pragma unroll
+  for (int b = 0; b < 4; ++b) cnt += ((v >> (8 * b)) & 0xFFu) != 0u;
+}
+int total;
+int at = qsa::block_excl_scan<NT>(cnt, scan_s, &total);
+for (int w = w0; w < w1; ++w) {
+  const unsigned v = rows_s[w];
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    const unsigned rows = (v >> (8 * b)) & 0xFFu;
+    if (rows != 0u) lists[(long long)tile * NE + at++] = (int)((4u * w + b) | rows << 24);
   }
 }
 if (tid == 0) counts[tile] = total;

@@ -87,6 +87,18 @@ def shared_applies(rows: int, n_kv: int, sm_count: int) -> bool:
     return -(-rows // RT) * n_kv >= sm_count
 
 
+# The table form of `tile_union` (a byte of row bits per block, in 64 KB of shared memory):
+# contexts of fewer than this many blocks (256K tokens at ratio 4); longer ones sort.
+UNION_TABLE_BLOCKS = 65536
+UNION_TABLE = True  # whether the table form is used where it fits (its GPU tests: see tests)
+
+
+def union_form(cap: int, ratio: int) -> str:
+    """Which `tile_union` form a backing of `cap` tokens takes (pure): "table" where every
+    block (and a tail block past the last whole one) has a byte of the table, else "sort"."""
+    return "table" if UNION_TABLE and cap // ratio + 1 <= UNION_TABLE_BLOCKS else "sort"
+
+
 def union_keys(k: int) -> int:
     """Sort length of `tile_union`: the power of two that holds a tile's RT * k selections
     and RT tail blocks (pure)."""
@@ -112,21 +124,42 @@ def shared_unsupported(n_heads: int, n_kv: int, d: int, k: int) -> str | None:
 
 
 def tile_union_cuda(
-    ids: mx.array, valid: mx.array, positions: mx.array, keys: mx.array, *, ratio: int
+    ids: mx.array,
+    valid: mx.array,
+    positions: mx.array,
+    keys: mx.array,
+    *,
+    ratio: int,
+    form: str | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Each 8-row tile's union of valid selected blocks and tail blocks, ascending, entries
     packed as ``block | rows << 24`` -> (lists int32 `[n_tiles, RT * K + RT]`, past the count
     unwritten; counts int32 `[n_tiles]`). `keys` gives the backing's length (blocks past it are
-    dropped, as the per-row kernel drops them)."""
+    dropped, as the per-row kernel drops them). `form`: "table" or "sort" (the same lists;
+    default `union_form`)."""
     rows, k = ids.shape
     n_tiles = -(-rows // RT)
+    cap = keys.shape[2]
+    form = union_form(cap, ratio) if form is None else form
+    if form == "table" and cap // ratio + 1 > UNION_TABLE_BLOCKS:
+        raise ValueError(f"tile_union_cuda: the table form holds {UNION_TABLE_BLOCKS} blocks")
+    template = (("K", k), ("RATIO", ratio), ("NT", _UNION_THREADS))
+    if form == "table":
+        section, smem = "union_pre+tile_union_bitmap", UNION_TABLE_BLOCKS
+        template += (("NBMAX", UNION_TABLE_BLOCKS),)
+    elif form == "sort":
+        section, smem = "union_pre+tile_union", 0
+        template += (("NKEYS", union_keys(k)),)
+    else:
+        raise ValueError(f"tile_union_cuda: form must be 'table' or 'sort', got {form!r}")
     kernel = _launch.build(
         "prefill_flash.cu",
-        "tile_union",
+        section,
         ("ids", "valid", "pos", "keys"),
         ("lists", "counts"),
-        (),
-        template=(("K", k), ("RATIO", ratio), ("NKEYS", union_keys(k)), ("NT", _UNION_THREADS)),
+        (form,),
+        shared_memory=smem,
+        template=template,
     )
     return tuple(
         kernel(
