@@ -25,7 +25,8 @@
 #          tilings NCU_SDPA_FORMS (64x2; e.g. "64x2 32x3 64x2_kv")
 # sdpa:    the masked-attention kernel's tests, the CUDA layer's masked chunks, then
 #          benchmarks/sdpa_ab.py (kernel vs MLX's SDPA vs torch; sdpaquick: its 2048-row points)
-#          and benchmarks/sdpa_layer_ab.py (the whole layer, kernel on and off)
+#          and benchmarks/sdpa_layer_ab.py (the whole layer, kernel on and off); sdpatests: the
+#          tests only
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
 # clocks, power and throttle reasons every 200 ms into smi.csv. TAR=1 packs $OUT into one file
 # (the device returns at most 8 a call).
@@ -69,11 +70,12 @@ for what in "$@"; do
       timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_prefill.py tests/test_cuda_layer.py 2>&1 | tee "$OUT/ptests.log" | tail -40
       rc=$((rc | PIPESTATUS[0])) ;;
-    sdpa|sdpaquick)
+    sdpa|sdpaquick|sdpatests)
       timeout 300 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_sdpa.py "tests/test_cuda_layer.py::test_masked_chunks_run_the_sdpa_kernel" \
         2>&1 | tee "$OUT/sdpa_tests.log" | tail -20
       rc=$((rc | PIPESTATUS[0]))
+      [ "$what" = sdpatests ] && continue
       quick=""; [ "$what" = sdpaquick ] && quick="--quick"
       timeout 300 python3 benchmarks/sdpa_ab.py "$OUT/sdpa_ab_$GPU_TAG.json" $quick \
         ${SDPA_AB_ARGS:-} 2>&1 \

@@ -1,6 +1,6 @@
-"""One `prefill_flash` call over shared tiles (every tile in the list form, the limit lifted)
-and one per row, at a 2048-row chunk after a prefix with drifting selections, for Nsight
-Compute (issue 6).
+"""One `prefill_flash` call over shared tiles (every tile in the list form, the limit lifted),
+the union of each form alone (`tile_union_cuda`: table, then sort), and one call per row, at a
+2048-row chunk after a prefix with drifting selections, for Nsight Compute (issue 6).
 
     ncu -k regex:qsa_ ... python3 benchmarks/ncu_shared.py 32768 0.97
 """
@@ -12,7 +12,7 @@ from unittest import mock
 
 import mlx.core as mx
 import numpy as np
-from prefill_shared_ab import SCALE, K, S, drifting_selection
+from prefill_shared_ab import SCALE, K, R, S, drifting_selection
 from sdpa_ab import random_chunk
 
 from mlx_qsa.kernels import prefill_flash as pf
@@ -27,6 +27,8 @@ def main() -> None:
     mx.eval(q, keys, values, ids, valid, pos)
     with mock.patch.object(pf, "tile_limit", lambda k: pf.RT * K + pf.RT):
         mx.eval(pf.prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=SCALE, shared=True))
+    for form in ("table", "sort"):
+        mx.eval(pf.tile_union_cuda(ids, valid, pos, keys, ratio=R, form=form))
     mx.eval(pf.prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=SCALE, shared=False))
 
 
