@@ -8,7 +8,8 @@
 # ktests:  the prefill kernel tests and the CUDA layer's prefill tests
 # trace:   `mlx-qsa trace` on the GPU, compared field by field with the M5 Pro fixture
 # bench:   `mlx-qsa bench decode` at the issue's contexts and rows (all peers, one process)
-# prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples)
+# prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples; PREFILL_ARGS, e.g.
+#          "--contexts 32k,128k"; PREFILL_TIMEOUT)
 # overhead: host µs per MLX primitive, CUDA graphs on and off (benchmarks/mlx_overhead.py)
 # quick:   a decode subset with CUDA graphs on and off
 # parts:   the prefill kernels one at a time, bytes floor, selection overlap (prefill_parts.py;
@@ -191,7 +192,8 @@ PY
           --out "$OUT/decode_128k_rep$i.json" 2>&1 | tee -a "$OUT/decodeab.log" | tail -3
       done ;;
     prefill)
-      timeout 560 python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 --png "$OUT/prefill_$GPU_TAG.png" \
+      timeout "${PREFILL_TIMEOUT:-560}" python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 \
+        ${PREFILL_ARGS:-} --png "$OUT/prefill_$GPU_TAG.png" \
         --out "$OUT/prefill_$GPU_TAG.json" 2>&1 | tee "$OUT/prefill_run.log"
       rc=$((rc | PIPESTATUS[0])) ;;
   esac
