@@ -8,7 +8,8 @@
 # ktests:  the prefill kernel tests and the CUDA layer's prefill tests
 # trace:   `mlx-qsa trace` on the GPU, compared field by field with the M5 Pro fixture
 # bench:   `mlx-qsa bench decode` at the issue's contexts and rows (all peers, one process)
-# prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples)
+# prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples; PREFILL_ARGS, e.g.
+#          "--contexts 32k,128k"; PREFILL_TIMEOUT)
 # overhead: host µs per MLX primitive, CUDA graphs on and off (benchmarks/mlx_overhead.py)
 # quick:   a decode subset with CUDA graphs on and off
 # parts:   the prefill kernels one at a time, bytes floor, selection overlap (prefill_parts.py;
@@ -25,7 +26,8 @@
 #          tilings NCU_SDPA_FORMS (64x2; e.g. "64x2 32x3 64x2_kv")
 # sdpa:    the masked-attention kernel's tests, the CUDA layer's masked chunks, then
 #          benchmarks/sdpa_ab.py (kernel vs MLX's SDPA vs torch; sdpaquick: its 2048-row points)
-#          and benchmarks/sdpa_layer_ab.py (the whole layer, kernel on and off)
+#          and benchmarks/sdpa_layer_ab.py (the whole layer, kernel on and off); sdpatests: the
+#          tests only
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
 # clocks, power and throttle reasons every 200 ms into smi.csv. TAR=1 packs $OUT into one file
 # (the device returns at most 8 a call).
@@ -69,11 +71,12 @@ for what in "$@"; do
       timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_prefill.py tests/test_cuda_layer.py 2>&1 | tee "$OUT/ptests.log" | tail -40
       rc=$((rc | PIPESTATUS[0])) ;;
-    sdpa|sdpaquick)
+    sdpa|sdpaquick|sdpatests)
       timeout 300 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_sdpa.py "tests/test_cuda_layer.py::test_masked_chunks_run_the_sdpa_kernel" \
         2>&1 | tee "$OUT/sdpa_tests.log" | tail -20
       rc=$((rc | PIPESTATUS[0]))
+      [ "$what" = sdpatests ] && continue
       quick=""; [ "$what" = sdpaquick ] && quick="--quick"
       timeout 300 python3 benchmarks/sdpa_ab.py "$OUT/sdpa_ab_$GPU_TAG.json" $quick \
         ${SDPA_AB_ARGS:-} 2>&1 \
@@ -189,7 +192,8 @@ PY
           --out "$OUT/decode_128k_rep$i.json" 2>&1 | tee -a "$OUT/decodeab.log" | tail -3
       done ;;
     prefill)
-      timeout 560 python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 --png "$OUT/prefill_$GPU_TAG.png" \
+      timeout "${PREFILL_TIMEOUT:-560}" python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 \
+        ${PREFILL_ARGS:-} --png "$OUT/prefill_$GPU_TAG.png" \
         --out "$OUT/prefill_$GPU_TAG.json" 2>&1 | tee "$OUT/prefill_run.log"
       rc=$((rc | PIPESTATUS[0])) ;;
   esac

@@ -10,6 +10,7 @@ kernel); the plan itself never depends on `impl`.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -63,6 +64,21 @@ def output_gate(o: mx.array, gate: mx.array) -> mx.array:
     return o.transpose(0, 2, 1, 3) * mx.sigmoid(gate)
 
 
+class Operands(NamedTuple):
+    """What every consumer of one call reads: queries `[1, H, S, d]`, the cache's K/V backing
+    `[1, Hkv, cap, d]`, the selection, the rows' positions, the context length T, the block
+    ratio and the softmax scale."""
+
+    q: mx.array
+    keys: mx.array
+    values: mx.array
+    sel: Selection
+    positions: mx.array
+    T: int
+    ratio: int
+    scale: float
+
+
 def dispatch(
     cplan: plan.ConsumerPlan,
     q: mx.array,
@@ -82,72 +98,63 @@ def dispatch(
     The CUDA flash and rows-gather kernels apply the gate in their merge (one launch instead of
     a sigmoid and a multiply after it, the same bits; ``MLX_QSA_FUSE_GATE=0`` turns that off);
     every other route applies it with `output_gate`."""
-    fuse = None
-    if gate is not None and impl == "cuda":
+    a = Operands(q, keys, values, sel, positions, T, ratio, scale)
+    out = None
+    if impl == "cuda" and cuda_attention_supports(q, keys):
         from ..kernels._launch import fuse_gate_env
 
-        fuse = gate if fuse_gate_env() else None
-    o, gated = _attend(cplan, q, keys, values, sel, positions, T, ratio, scale, impl, fuse)
+        fuse = gate if gate is not None and fuse_gate_env() else None
+        out = _cuda(cplan, a, fuse)
+    o, gated = out if out is not None else (_portable(cplan, a), False)
     if gate is None or gated:
         return o
     return output_gate(o, gate)
 
 
-def _attend(
-    cplan: plan.ConsumerPlan,
-    q: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    sel: Selection,
-    positions: mx.array,
-    T: int,
-    ratio: int,
-    scale: float,
-    impl: str,
-    gate: mx.array | None,
-) -> tuple[mx.array, bool]:
-    """The consumer's output and whether `gate` (only ever passed with `impl="cuda"`) is already
-    applied in it."""
+def _cuda(
+    cplan: plan.ConsumerPlan, a: Operands, gate: mx.array | None
+) -> tuple[mx.array, bool] | None:
+    """The consumer on its CUDA kernel, and whether `gate` is already applied in its output;
+    None where no kernel covers the call (the portable consumer runs)."""
+    from ..kernels.flash_decode import flash_decode_cuda, ratio_supported
+    from ..kernels.rows_gather import rows_gather_cuda
+
     first = cplan.consumers[0]
-    if impl == "cuda" and cuda_attention_supports(q, keys):
-        from ..kernels.flash_decode import flash_decode_cuda, ratio_supported
+    q, keys, values, sel = a.q, a.keys, a.values, a.sel
+    if first == "flash" and ratio_supported(a.ratio):
+        # the selection's row and the row's position are read in place (no extra arrays)
+        o = flash_decode_cuda(
+            q, keys, values, sel.ids, sel.valid, scale=a.scale, ratio=a.ratio, pos=a.positions,
+            gate=gate,
+        )  # fmt: skip
+        return o, gate is not None
+    if first == "rows_gather":
+        o = rows_gather_cuda(q, keys, values, sel.slots, sel.slot_valid, scale=a.scale, gate=gate)
+        return o, gate is not None
+    if first == "prefill_flash":
+        from ..kernels.prefill_flash import prefill_flash_cuda, prefill_flash_unsupported
 
-        if first == "flash" and ratio_supported(ratio):
-            # the selection's row and the row's position are read in place (no extra arrays)
-            o = flash_decode_cuda(
-                q, keys, values, sel.ids, sel.valid, scale=scale, ratio=ratio, pos=positions,
-                gate=gate,
-            )  # fmt: skip
-            return o, gate is not None
-        from ..kernels.rows_gather import rows_gather_cuda
-
-        if first == "rows_gather":
-            o = rows_gather_cuda(q, keys, values, sel.slots, sel.slot_valid, scale=scale, gate=gate)
-            return o, gate is not None
-        if first == "prefill_flash":
-            from ..kernels.prefill_flash import prefill_flash_cuda, prefill_flash_unsupported
-
-            n_heads, n_kv, d = q.shape[1], keys.shape[1], q.shape[-1]
-            why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio, sel.ids.shape[1])
-            if why is None:
-                o = prefill_flash_cuda(
-                    q, keys, values, sel.ids, sel.valid, positions, scale=scale, ratio=ratio
-                )
-                return o, False
-        o = _masked_sdpa_cuda(cplan, q, keys, values, sel, positions, T, ratio, scale)
-        if o is not None:
-            return o, False
-        if first in ("prefill_flash", "prefill_gather"):
-
-            def gather(qt, k, v, slots, slot_valid, sc):
-                return rows_gather_cuda(qt, k, v, slots, slot_valid, scale=sc)
-
-            consumer = prefill_flash if first == "prefill_flash" else prefill_gather
-            o = consumer(
-                q, keys, values, sel.ids, sel.valid, positions, ratio, scale, gather=gather
+        n_heads, n_kv, d = q.shape[1], keys.shape[1], q.shape[-1]
+        why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, a.ratio, sel.ids.shape[1])
+        if why is None:
+            o = prefill_flash_cuda(
+                q, keys, values, sel.ids, sel.valid, a.positions, scale=a.scale, ratio=a.ratio
             )
             return o, False
-    return _portable(cplan, q, keys, values, sel, positions, T, ratio, scale), False
+    o = _masked_sdpa_cuda(cplan, a)
+    if o is not None:
+        return o, False
+    if first in ("prefill_flash", "prefill_gather"):
+
+        def gather(qt, k, v, slots, slot_valid, sc):
+            return rows_gather_cuda(qt, k, v, slots, slot_valid, scale=sc)
+
+        consumer = prefill_flash if first == "prefill_flash" else prefill_gather
+        o = consumer(
+            q, keys, values, sel.ids, sel.valid, a.positions, a.ratio, a.scale, gather=gather
+        )
+        return o, False
+    return None
 
 
 def masked_sdpa_form(first: str, sdpa_mask: str, rows: int) -> str | None:
@@ -164,21 +171,12 @@ def masked_sdpa_form(first: str, sdpa_mask: str, rows: int) -> str | None:
     return "dense_mask" if first == "dense_mask" else None
 
 
-def _masked_sdpa_cuda(
-    cplan: plan.ConsumerPlan,
-    q: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    sel: Selection,
-    positions: mx.array,
-    T: int,
-    ratio: int,
-    scale: float,
-) -> mx.array | None:
+def _masked_sdpa_cuda(cplan: plan.ConsumerPlan, a: Operands) -> mx.array | None:
     """The call on the masked-attention kernel where it takes it (`masked_sdpa_form`) and
     covers the shapes, else None. The keep-masks here lie within the causal bound (RUNTIME.md
     §8: selected blocks and the tail, both at or before the row's position), which spares the
     kernel the stages past a row tile's furthest position."""
+    q, keys, T = a.q, a.keys, a.T
     form = masked_sdpa_form(cplan.consumers[0], cplan.sdpa_mask, q.shape[2])
     if form is None:
         return None
@@ -190,26 +188,18 @@ def _masked_sdpa_cuda(
         return None
     mask = None
     if form == "mask":
-        mask = sel.mask
+        mask = a.sel.mask
     elif form == "dense_mask":  # rows padded to 4 bytes: the kernel reads the mask in words
         width = -(-T // 4) * 4
-        mask = dense_keep_mask(sel.ids, sel.valid, positions, width, ratio)[None, None, :, :T]
+        sel = a.sel
+        mask = dense_keep_mask(sel.ids, sel.valid, a.positions, width, a.ratio)[None, None, :, :T]
     return sdpa_cuda(
-        q, keys, values, positions, scale=scale, mask=mask, context=T, within_causal=True
+        q, keys, a.values, a.positions, scale=a.scale, mask=mask, context=T, within_causal=True
     )
 
 
-def _portable(
-    cplan: plan.ConsumerPlan,
-    q: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    sel: Selection,
-    positions: mx.array,
-    T: int,
-    ratio: int,
-    scale: float,
-) -> mx.array:
+def _portable(cplan: plan.ConsumerPlan, a: Operands) -> mx.array:
+    q, keys, values, sel, positions, T, ratio, scale = a
     first = cplan.consumers[0]
     if first == "sdpa":
         mask = cplan.sdpa_mask
