@@ -63,7 +63,8 @@ RT = 8  # rows of a shared tile (sdpa.cu's row tile)
 _UNION_THREADS = 512
 
 # Whether prefill_flash_cuda uses shared tiles unless told. Off: on independent random rows
-# (no tile qualifies) the union costs 7 % (H100, 32K); it pays from ~90 % adjacent-row overlap.
+# (no tile qualifies) the hybrid costs 6-8 % (H100, 32K; 8 % with the union's table form, 15 %
+# with its sort, medians of 3 in one run); it pays from ~90 % adjacent-row overlap.
 SHARED_DEFAULT_ON = False
 
 
@@ -90,7 +91,7 @@ def shared_applies(rows: int, n_kv: int, sm_count: int) -> bool:
 # The table form of `tile_union` (a byte of row bits per block, in 64 KB of shared memory):
 # contexts of fewer than this many blocks (256K tokens at ratio 4); longer ones sort.
 UNION_TABLE_BLOCKS = 65536
-UNION_TABLE = True  # whether the table form is used where it fits (its GPU tests: see tests)
+UNION_TABLE = True  # the table form where it fits (GPU-tested, and faster than the sort: H100)
 
 
 def union_form(cap: int, ratio: int) -> str:
