@@ -104,7 +104,7 @@ def point(
     passes = {
         "per_row": mlx_pass(lambda i: run(i, False), sets),
         "shared": mlx_pass(lambda i: run(i, True), sets),
-        "shared_sort": mlx_pass(lambda i: run_sort(i), sets),
+        "shared_sort": mlx_pass(run_sort, sets),
         "all_tiles": mlx_pass(lambda i: run(i, True, lifted), sets),
     }
     for t in tilings:  # the list form's other K/V streaming forms

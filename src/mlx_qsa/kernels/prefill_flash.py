@@ -94,10 +94,16 @@ UNION_TABLE_BLOCKS = 65536
 UNION_TABLE = True  # the table form where it fits (GPU-tested, and faster than the sort: H100)
 
 
+def _table_fits(cap: int, ratio: int) -> bool:
+    """Whether every block of a backing of `cap` tokens (and a tail block past the last whole
+    one) has a byte of the union table."""
+    return cap // ratio + 1 <= UNION_TABLE_BLOCKS
+
+
 def union_form(cap: int, ratio: int) -> str:
-    """Which `tile_union` form a backing of `cap` tokens takes (pure): "table" where every
-    block (and a tail block past the last whole one) has a byte of the table, else "sort"."""
-    return "table" if UNION_TABLE and cap // ratio + 1 <= UNION_TABLE_BLOCKS else "sort"
+    """Which `tile_union` form a backing of `cap` tokens takes (pure): "table" where it fits
+    (`_table_fits`), else "sort"."""
+    return "table" if UNION_TABLE and _table_fits(cap, ratio) else "sort"
 
 
 def union_keys(k: int) -> int:
@@ -142,7 +148,7 @@ def tile_union_cuda(
     n_tiles = -(-rows // RT)
     cap = keys.shape[2]
     form = union_form(cap, ratio) if form is None else form
-    if form == "table" and cap // ratio + 1 > UNION_TABLE_BLOCKS:
+    if form == "table" and not _table_fits(cap, ratio):
         raise ValueError(f"tile_union_cuda: the table form holds {UNION_TABLE_BLOCKS} blocks")
     template = (("K", k), ("RATIO", ratio), ("NT", _UNION_THREADS))
     if form == "table":
