@@ -28,6 +28,7 @@
 #          benchmarks/sdpa_ab.py (kernel vs MLX's SDPA vs torch; sdpaquick: its 2048-row points)
 #          and benchmarks/sdpa_layer_ab.py (the whole layer, kernel on and off); sdpatests: the
 #          tests only
+# timeline: benchmarks/timeline.py (CUPTI timeline of decode and prefill steps; TIMELINE_ARGS)
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
 # clocks, power and throttle reasons every 200 ms into smi.csv. TAR=1 packs $OUT into one file
 # (the device returns at most 8 a call).
@@ -191,6 +192,10 @@ PY
         timeout 200 python3 -m mlx_qsa bench decode --contexts 128k --rows 1 --no-torch --repeats 15 \
           --out "$OUT/decode_128k_rep$i.json" 2>&1 | tee -a "$OUT/decodeab.log" | tail -3
       done ;;
+    timeline)  # a CUPTI timeline (torch.profiler) of sync decode steps and a prefill chunk's parts
+      timeout "${TIMELINE_TIMEOUT:-240}" python3 benchmarks/timeline.py "$OUT/timeline" ${TIMELINE_ARGS:-} \
+        2>&1 | tee "$OUT/timeline.log" | tail -80
+      rc=$((rc | PIPESTATUS[0])) ;;
     prefill)
       timeout "${PREFILL_TIMEOUT:-560}" python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 \
         ${PREFILL_ARGS:-} --png "$OUT/prefill_$GPU_TAG.png" \

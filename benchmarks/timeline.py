@@ -1,0 +1,221 @@
+"""Where a step's wall time goes, on the GPU machine (MLX with CUDA, torch for its profiler).
+
+`mlx-qsa bench` times a decode step (selection + attention, 1 row, 128K) at ~216 µs with one
+`mx.eval` each, against ~51 µs of kernel time; a prefill chunk's selection at 0.62-0.68 ms
+against ~0.31 ms of kernel time. This script records a CUPTI timeline of such steps with
+torch.profiler (CUPTI sees every kernel and CUDA API call of the process, MLX's included) and
+splits each step into: Python graph build, `mx.eval`, the CUDA API calls made inside them (by
+name: count and µs), the kernels the step ran (device µs each) and the GPU's idle time within
+the step.
+
+    python3 benchmarks/timeline.py OUT [--steps 8] [--sets 8] [--only decode,layer,prefill]
+
+OUT/<case>.json.gz is each case's Chrome trace (chrome://tracing, Perfetto); OUT/timeline.json
+the per-step split; the table printed last is its median over the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_qsa import bench, plan
+from mlx_qsa.config import QSAConfig, QSAOptions
+from mlx_qsa.indexer import Selection, select_rows
+from mlx_qsa.layer import QSAAttention
+
+
+def steps_of(trace: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
+    """Per `prefix:i` annotation: wall, build and eval µs, API calls by name inside it, the
+    kernels launched inside it, GPU busy and idle µs between the step's first launch and its
+    end. Kernels are tied to their launch call by CUPTI's correlation id."""
+    ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    ann = [e for e in ev if e.get("cat") == "user_annotation"]
+    api = [e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    kern = {
+        e["args"].get("correlation"): e
+        for e in ev
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    }
+    out = []
+    for a in sorted((e for e in ann if e["name"].startswith(prefix + ":")), key=lambda e: e["ts"]):
+        t0, t1 = a["ts"], a["ts"] + a["dur"]
+        inner = {
+            e["name"]: e["dur"] for e in ann if t0 <= e["ts"] <= t1 and e is not a
+            and e["name"] in ("build", "eval")
+        }  # fmt: skip
+        calls: dict[str, list[float]] = defaultdict(list)
+        ks = []
+        for e in api:
+            if t0 <= e["ts"] <= t1:
+                calls[e["name"]].append(e["dur"])
+                k = kern.get(e["args"].get("correlation"))
+                if k is not None:
+                    ks.append(k)
+        ks.sort(key=lambda k: k["ts"])
+        busy = sum(k["dur"] for k in ks)
+        span = (max(k["ts"] + k["dur"] for k in ks) - ks[0]["ts"]) if ks else 0.0
+        out.append({
+            "wall_us": a["dur"],
+            "build_us": inner.get("build", 0.0),
+            "eval_us": inner.get("eval", 0.0),
+            "first_launch_after_us": (ks[0]["ts"] - t0) if ks else None,
+            "last_kernel_end_before_us": (t1 - max(k["ts"] + k["dur"] for k in ks)) if ks else None,
+            "gpu_busy_us": busy,
+            "gpu_span_us": span,
+            "kernels": [(k["name"][:60], round(k["dur"], 2)) for k in ks],
+            "api": {n: (len(v), round(sum(v), 2)) for n, v in sorted(calls.items())},
+        })  # fmt: skip
+    return out
+
+
+def profile_case(
+    name: str, step: Callable[[int], None], n_sets: int, steps: int, out: Path
+) -> list[dict[str, Any]]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    for i in range(2 * n_sets):  # warm: kernels built, buffers cached
+        step(i % n_sets)
+    mx.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            with record_function(f"{name}:{i}"):
+                step(i % n_sets)
+        torch.cuda.synchronize()
+        mx.synchronize()
+    raw = out / f"{name}.json"
+    prof.export_chrome_trace(str(raw))
+    trace = json.loads(raw.read_text())
+    with gzip.open(out / f"{name}.json.gz", "wt") as f:
+        json.dump(trace, f)
+    raw.unlink()
+    return steps_of(trace, name)
+
+
+def annotated(build: Callable[[int], Any]) -> Callable[[int], None]:
+    from torch.profiler import record_function
+
+    def step(i: int) -> None:
+        with record_function("build"):
+            y = build(i)
+        with record_function("eval"):
+            mx.eval(y)
+
+    return step
+
+
+def decode_case(cfg: QSAConfig, T: int, n: int) -> Callable[[int], None]:
+    sets = [bench.DecodeSet(cfg, T, 1, seed=i) for i in range(n)]
+    return annotated(lambda i: bench.qsa_step(cfg, sets[i], "cuda")[0])
+
+
+def layer_case(cfg: QSAConfig, T: int, n: int) -> Callable[[int], None]:
+    mx.random.seed(0)
+    layer = QSAAttention(cfg, options=QSAOptions(kernels="auto"), fused=4)
+    layer.set_dtype(mx.bfloat16)
+    mx.eval(layer.parameters())
+    caches = [bench.random_cache(layer, T, 1, seed=i) for i in range(n)]
+    xs = [bench.layer_rows(cfg, 1, seed=i) for i in range(n)]
+    return annotated(bench.decode_layer_step(layer, xs, caches, 1))
+
+
+def prefill_cases(cfg: QSAConfig, P: int, n: int) -> dict[str, Callable[[int], None]]:
+    S = 2048
+    r, K = cfg.indexer_compress_ratio, cfg.block_topk
+    sets = [bench.DecodeSet(cfg, P + S, S, seed=i) for i in range(n)]
+    caps = plan.Capabilities.reference()
+    producer = plan.prefill_score_producer(caps, "bfloat16", "bfloat16")
+    cap = sets[0].pooled.shape[1]
+    chunk = plan.selector_chunk_rows("prefill_blocks", S, cap, producer=producer)
+
+    def select(i: int) -> Selection:
+        s = sets[i]
+        ids, valid, scores = select_rows(
+            s.index_q, None, None, s.positions, r, K, chunk, s.pooled, "cuda"
+        )
+        return Selection("prefill_blocks", ids=ids, valid=valid, scores=scores)
+
+    sels = [select(i) for i in range(n)]
+    mx.eval([(x.ids, x.valid, x.scores) for x in sels])
+    call = plan.CallShape(S, P, r, K)
+    contract = plan.prefill_flash_contract(
+        n_heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, block_topk=K, dtype="bfloat16", scale=cfg.scale,
+    )  # fmt: skip
+    cplan = plan.plan_consumers(
+        QSAOptions(), caps, call, "prefill_blocks", has_indexer=True,
+        prefill_flash_contract=contract,
+    )  # fmt: skip
+
+    def attend(i: int) -> mx.array:
+        s = sets[i]
+        return bench.dispatch(
+            cplan, s.q, s.keys, s.values, sels[i], s.positions, s.T, r, cfg.scale, "cuda"
+        )
+
+    return {
+        f"prefill_select_{P // 1024}k": annotated(lambda i: select(i).ids),
+        f"prefill_attend_{P // 1024}k": annotated(attend),
+    }
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("wall_us", "build_us", "eval_us", "first_launch_after_us",
+            "last_kernel_end_before_us", "gpu_busy_us", "gpu_span_us")  # fmt: skip
+    med = {k: statistics.median(r[k] for r in rows if r[k] is not None) for k in keys}
+    api: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        for nm, (_, us) in r["api"].items():
+            api[nm].append(us)
+    med["api_median_us"] = {nm: round(statistics.median(v), 1) for nm, v in api.items()}
+    med["kernels"] = rows[len(rows) // 2]["kernels"]
+    return med
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--sets", type=int, default=8)
+    ap.add_argument("--only", default="decode,layer,prefill")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    cfg = QSAConfig()
+    which = set(a.only.split(","))
+    cases: dict[str, Callable[[int], None]] = {}
+    if "decode" in which:
+        cases["decode_128k"] = decode_case(cfg, 131072, a.sets)
+    if "layer" in which:
+        cases["layer_128k"] = layer_case(cfg, 131072, a.sets)
+    if "prefill" in which:
+        cases.update(prefill_cases(cfg, 32768, min(a.sets, 2)))
+    result = {}
+    for name, step in cases.items():
+        n = a.sets if not name.startswith("prefill") else min(a.sets, 2)
+        rows = profile_case(name, step, n, a.steps, a.out)
+        result[name] = {"steps": rows, "median": median_row(rows)}
+        (a.out / "timeline.json").write_text(json.dumps(result, indent=1))
+        m = result[name]["median"]
+        print(f"\n== {name}: medians over {len(rows)} steps (µs)")
+        for k in ("wall_us", "build_us", "eval_us", "first_launch_after_us",
+                  "last_kernel_end_before_us", "gpu_busy_us", "gpu_span_us"):  # fmt: skip
+            print(f"  {k:28s} {m[k]:9.1f}")
+        for nm, us in sorted(m["api_median_us"].items(), key=lambda t: -t[1])[:12]:
+            print(f"  api {nm:40s} {us:9.1f}")
+        for kn, us in m["kernels"]:
+            print(f"  kernel {kn:60s} {us:9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
