@@ -7,7 +7,8 @@
 # ptests:  the prefill kernel tests and the CUDA layer tests only
 # ktests:  the prefill kernel tests and the CUDA layer's prefill tests
 # trace:   `mlx-qsa trace` on the GPU, compared field by field with the M5 Pro fixture
-# bench:   `mlx-qsa bench decode` at the issue's contexts and rows (all peers, one process)
+# bench:   `mlx-qsa bench decode` at the issue's contexts and rows (all peers, one process;
+#          BENCH_ARGS, e.g. "--contexts 128k --rows 1,4"; BENCH_TIMEOUT)
 # prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples; PREFILL_ARGS, e.g.
 #          "--contexts 32k,128k"; PREFILL_TIMEOUT)
 # overhead: host µs per MLX primitive, CUDA graphs on and off (benchmarks/mlx_overhead.py)
@@ -28,6 +29,7 @@
 #          benchmarks/sdpa_ab.py (kernel vs MLX's SDPA vs torch; sdpaquick: its 2048-row points)
 #          and benchmarks/sdpa_layer_ab.py (the whole layer, kernel on and off); sdpatests: the
 #          tests only
+# stamptest: the GPU timer stamp (test_cuda_stamp.py) and the bench document tests
 # timeline: benchmarks/timeline.py (CUPTI timeline of decode and prefill steps; TIMELINE_ARGS)
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
 # clocks, power and throttle reasons every 200 ms into smi.csv. TAR=1 packs $OUT into one file
@@ -134,7 +136,7 @@ print("hash-group failures:", trace.check_hash_groups(ours) or "none")
 PY
       ;;
     bench)
-      timeout 560 python3 -m mlx_qsa bench decode --sets 8 --repeats 5 \
+      timeout "${BENCH_TIMEOUT:-560}" python3 -m mlx_qsa bench decode --sets 8 --repeats 5 ${BENCH_ARGS:-} \
         --out "$OUT/decode_$GPU_TAG.json" --png "$OUT/decode_$GPU_TAG.png" 2>&1 \
         | tee "$OUT/decode_run.log"
       rc=$((rc | PIPESTATUS[0])) ;;
@@ -192,6 +194,10 @@ PY
         timeout 200 python3 -m mlx_qsa bench decode --contexts 128k --rows 1 --no-torch --repeats 15 \
           --out "$OUT/decode_128k_rep$i.json" 2>&1 | tee -a "$OUT/decodeab.log" | tail -3
       done ;;
+    stamptest)  # the GPU timer stamp the bench's `_gpu` entries read
+      timeout 200 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_stamp.py \
+        tests/test_bench.py 2>&1 | tee "$OUT/stamptest.log" | tail -5
+      rc=$((rc | PIPESTATUS[0])) ;;
     timeline)  # a CUPTI timeline (torch.profiler) of sync decode steps and a prefill chunk's parts
       timeout "${TIMELINE_TIMEOUT:-240}" python3 benchmarks/timeline.py "$OUT/timeline" ${TIMELINE_ARGS:-} \
         2>&1 | tee "$OUT/timeline.log" | tail -80

@@ -218,6 +218,7 @@ JOBS = {
          ("sin_t", "float")], [("out", BF)],
         [("T", BF), ("D", 128), ("EPS_BITS", 897988541), ("RD", 64), ("R", 4)], "",
     ),
+    "stamp": ("stamp.cu", "stamp", [("after", "float")], [("stamp", "uint64_t")], [], ""),
 }  # fmt: skip
 
 

@@ -24,6 +24,7 @@ def decode_table(doc: dict) -> str:
     cols = [
         ("qsa_cuda", "CUDA"),
         ("qsa_cuda_async", "CUDA, queued"),
+        ("qsa_cuda_gpu", "CUDA, GPU clock"),
         ("qsa_portable", "portable"),
         ("mlx_gather_sdpa", "MLX gather+SDPA"),
         ("mlx_dense_sdpa", "MLX dense SDPA"),
@@ -32,8 +33,9 @@ def decode_table(doc: dict) -> str:
         ("qsa_cuda_layer", "CUDA layer"),
     ]
     head = "| context | rows | " + " | ".join(c[1] for c in cols) + " | floor |"
-    head += " torch ÷ CUDA | queued: torch ÷ CUDA | gather+SDPA ÷ CUDA | CUDA ÷ floor |"
-    lines = [head, "|" + "---|" * (len(cols) + 7)]
+    head += " torch ÷ CUDA | queued: torch ÷ CUDA | GPU clock: torch ÷ CUDA | gather+SDPA ÷ CUDA |"
+    head += " CUDA ÷ floor |"
+    lines = [head, "|" + "---|" * (len(cols) + 8)]
     for p in doc["points"]:
         t = p["timings"]
         us = [f"{t[c]['median_us']:.0f}" if c in t else "–" for c, _ in cols]
@@ -44,24 +46,35 @@ def decode_table(doc: dict) -> str:
             + " | ".join(us)
             + f" | {fl:.1f} | {_ratio(t, 'torch_dense_sdpa_sync', 'qsa_cuda')} | "
             + f"{_ratio(t, 'torch_dense_sdpa', 'qsa_cuda_async')} | "
+            + f"{_ratio(t, 'torch_dense_sdpa', 'qsa_cuda_gpu')} | "
             + f"{_ratio(t, 'mlx_gather_sdpa', 'qsa_cuda')} | {ours / fl:.0f} |"
         )
     return "\n".join(lines)
 
 
 def prefill_table(doc: dict) -> str:
-    lines = [
-        "| prefix | rows | CUDA layer ms | portable layer ms | torch dense causal ms "
-        "| torch ÷ CUDA |",
-        "|---|---|---|---|---|---|",
+    """One row per prefix, ms. The `_gpu` entries (documents from 2026-12-07 on) are queued
+    passes on the GPU's clock, like torch's events; the others take one `mx.eval` per step."""
+    cols = [
+        ("qsa_cuda_selection_attention", "CUDA sel + attn"),
+        ("qsa_cuda_selection_attention_gpu", "CUDA sel + attn, GPU clock"),
+        ("qsa_cuda_layer", "CUDA layer"),
+        ("qsa_cuda_layer_gpu", "CUDA layer, GPU clock"),
+        ("qsa_portable_layer", "portable layer"),
+        ("torch_dense_causal_sdpa", "torch dense causal (events)"),
     ]
+    head = "| prefix | rows | " + " | ".join(c[1] for c in cols)
+    head += " | torch ÷ sel + attn (GPU clock / eval) | torch ÷ layer (GPU clock / eval) |"
+    lines = [head, "|" + "---|" * (len(cols) + 4)]
     for p in doc["points"]:
         t = p["timings"]
-        c = t["qsa_cuda_layer"]["median_us"] / 1e3
-        po = t["qsa_portable_layer"]["median_us"] / 1e3
-        to = t["torch_dense_causal_sdpa"]["median_us"] / 1e3
-        cells = (f"{p['prefix'] // 1024}K", p["rows"], f"{c:.2f}", f"{po:.2f}", f"{to:.2f}")
-        lines.append("| " + " | ".join(map(str, cells)) + f" | {to / c:.2f} |")
+        ms = [f"{t[c]['median_us'] / 1e3:.2f}" if c in t else "–" for c, _ in cols]
+        torch = "torch_dense_causal_sdpa"
+        sel = f"{_ratio(t, torch, cols[1][0])} / {_ratio(t, torch, cols[0][0])}"
+        lay = f"{_ratio(t, torch, cols[3][0])} / {_ratio(t, torch, cols[2][0])}"
+        lines.append(
+            f"| {p['prefix'] // 1024}K | {p['rows']} | " + " | ".join(ms) + f" | {sel} | {lay} |"
+        )
     return "\n".join(lines)
 
 

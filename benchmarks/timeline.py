@@ -37,15 +37,15 @@ from mlx_qsa.layer import QSAAttention
 def steps_of(trace: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
     """Per `prefix:i` annotation: wall, build and eval µs, API calls by name inside it, the
     kernels launched inside it, GPU busy and idle µs between the step's first launch and its
-    end. Kernels are tied to their launch call by CUPTI's correlation id."""
+    end. Kernels are tied to their launch call (a graph launch: all its kernels) by CUPTI's
+    correlation id."""
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     ann = [e for e in ev if e.get("cat") == "user_annotation"]
     api = [e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    kern = {
-        e["args"].get("correlation"): e
-        for e in ev
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-    }
+    kern: dict[Any, list[dict[str, Any]]] = defaultdict(list)  # a graph launch runs several
+    for e in ev:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kern[e["args"].get("correlation")].append(e)
     out = []
     for a in sorted((e for e in ann if e["name"].startswith(prefix + ":")), key=lambda e: e["ts"]):
         t0, t1 = a["ts"], a["ts"] + a["dur"]
@@ -58,11 +58,9 @@ def steps_of(trace: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
         for e in api:
             if t0 <= e["ts"] <= t1:
                 calls[e["name"]].append(e["dur"])
-                k = kern.get(e["args"].get("correlation"))
-                if k is not None:
-                    ks.append(k)
+                ks += kern.get(e["args"].get("correlation"), [])
         ks.sort(key=lambda k: k["ts"])
-        busy = sum(k["dur"] for k in ks)
+        busy = sum(k["dur"] for k in ks)  # graph nodes may overlap: busy can exceed the span
         span = (max(k["ts"] + k["dur"] for k in ks) - ks[0]["ts"]) if ks else 0.0
         out.append({
             "wall_us": a["dur"],

@@ -56,7 +56,7 @@ def test_decode_document(tmp_path, turns) -> None:
     # every entry of a point in one rotation, after the warm-up passes and the settle time
     cuda = mx.cuda.is_available()
     names = [f"qsa_{i}{m}" for i in (("cuda", "portable") if cuda else ("portable",))
-             for m in ("", "_async")]  # fmt: skip
+             for m in (("", "_async", "_gpu") if i == "cuda" else ("", "_async"))]  # fmt: skip
     names += ["mlx_gather_sdpa", "mlx_gather_sdpa_async", "mlx_dense_sdpa"]
     names += [f"qsa_{i}_layer{m}" for i in (("cuda", "portable") if cuda else ("portable",))
               for m in ("", "_async")]  # fmt: skip
@@ -111,6 +111,9 @@ def test_decode_document(tmp_path, turns) -> None:
             assert p["ratios"]["torch_dense_sdpa_sync/qsa_cuda"] == pytest.approx(
                 t["torch_dense_sdpa_sync"]["median_us"] / t["qsa_cuda"]["median_us"]
             )
+            assert p["ratios"]["torch_dense_sdpa/qsa_cuda_gpu"] == pytest.approx(
+                t["torch_dense_sdpa"]["median_us"] / t["qsa_cuda_gpu"]["median_us"]
+            )
         prim = p["primitives"]
         for name in ("qsa_portable", "qsa_portable_layer"):
             assert prim[name]["total"] == sum(prim[name]["by_kind"].values()) > 0
@@ -131,8 +134,14 @@ def test_prefill_document(tmp_path, turns) -> None:
     parts = ("selection", "attention", "selection_attention", "layer")
     impls = ("cuda", "portable") if mx.cuda.is_available() else ("portable",)
     ((entries, rounds, warm, settle),) = turns  # the point's entries in one rotation
-    assert entries[: 4 * len(impls)] == [f"qsa_{i}_{k}" for i in impls for k in parts]
-    assert set(entries[4 * len(impls) :]) <= {"torch_dense_causal_sdpa"}
+    # on CUDA each of its parts also on the GPU's clock (`_gpu`)
+    gpu = {"cuda": [f"{k}_gpu" for k in parts[:3]], "portable": []}
+    ours = [
+        f"qsa_{i}_{k}" for i in impls for k in [*parts[:3], *gpu[i], "layer"]
+        + (["layer_gpu"] if i == "cuda" else [])
+    ]  # fmt: skip
+    assert entries[: len(ours)] == ours
+    assert set(entries[len(ours) :]) <= {"torch_dense_causal_sdpa"}
     assert (rounds, warm, settle) == (1, 1, 0.0)
     assert (p["prefix"], p["rows"]) == (2048, 64)
     t = p["timings"]
@@ -189,6 +198,28 @@ def test_mlx_pass_evaluates_each_step_or_queues_them(monkeypatch) -> None:
     log.clear()
     bench.mlx_pass(step, 2, sync_each=False)()
     assert log == ["sync", 0, "async_eval", 1, "async_eval", "sync"]  # queued, one sync
+
+
+def test_mlx_gpu_pass_spans_the_queued_steps_between_two_stamps() -> None:
+    # Step 0 is built first, then the first stamp and the steps are queued; the last stamp
+    # follows the last step's output; µs per step = (last - first) / 1e3 / steps.
+    order: list[tuple[str, object]] = []
+    outs = {}
+
+    def step(i: int) -> mx.array:
+        order.append(("step", i))
+        outs[i] = mx.array([float(i)])
+        return outs[i]
+
+    def stamp(after: mx.array) -> mx.array:
+        n = sum(1 for kind, _ in order if kind == "stamp")
+        order.append(("stamp", after))
+        return mx.array([1_000_000 + 6_000 * n], dtype=mx.uint64)
+
+    assert bench.mlx_gpu_pass(step, 3, stamp=stamp)() == pytest.approx(2.0)
+    kinds = [(k, v if k == "step" else None) for k, v in order]
+    assert kinds == [("step", 0), ("stamp", None), ("step", 1), ("step", 2), ("stamp", None)]
+    assert order[-1][1] is outs[2]
 
 
 def test_torch_pass_enters_its_context_once_a_pass_outside_the_timing(monkeypatch) -> None:

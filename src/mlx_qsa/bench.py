@@ -99,6 +99,36 @@ def mlx_pass(
     return one_pass
 
 
+def mlx_gpu_pass(
+    step: Callable[[int], Any], n_sets: int, stamp: Callable[[mx.array], mx.array] | None = None
+) -> Callable[[], float]:
+    """One sample of an MLX entry on the GPU's clock, µs per step: the steps queued as
+    `mlx_pass(sync_each=False)` queues them, between two GPU timer stamps (`kernels.stamp`), as
+    `torch_pass` times torch's queued pass between CUDA events. Step 0's graph is built before
+    the first stamp, as torch's first launch follows its first event at once. A host clock would
+    also count that build and the wake-up of MLX's blocking wait at the end (40-420 µs on the
+    lent hosts: benchmarks/timeline.py). `stamp` stands in for the kernel in tests."""
+    if stamp is None:
+        from .kernels.stamp import gpu_stamp as stamp
+    anchor = mx.zeros((1,), mx.uint32)
+    mx.eval(anchor)
+
+    def one_pass() -> float:
+        mx.synchronize()  # nothing of the previous entry runs into this one
+        out = step(0)
+        first = stamp(anchor)
+        mx.async_eval(first)
+        mx.async_eval(out)
+        for i in range(1, n_sets):
+            out = step(i)
+            mx.async_eval(out)
+        last = stamp(out if isinstance(out, mx.array) else out[0])
+        mx.eval(first, last)
+        return (int(last.item()) - int(first.item())) / 1e3 / n_sets
+
+    return one_pass
+
+
 def set_switch(name: str, value: str | None) -> None:
     """Set (None: unset) an ``MLX_QSA_*`` switch for the steps that follow (its cached read is
     cleared), for A/B timing of two forms in one process."""
@@ -550,6 +580,8 @@ def bench_decode_point(
 
         passes[f"qsa_{impl}"] = mlx_pass(step, n)
         passes[f"qsa_{impl}_async"] = mlx_pass(step, n, sync_each=False)
+        if impl == "cuda":  # queued, on the GPU's clock (torch's events' counterpart)
+            passes[f"qsa_{impl}_gpu"] = mlx_gpu_pass(step, n)
 
     def gather_step(i: int) -> mx.array:
         return mlx_gather_sdpa(sets[i], *gathers[i], scale)
@@ -605,7 +637,7 @@ def ratios(rec: dict[str, Any]) -> dict[str, float]:
     """Peer median / ours (> 1: ours faster), and ours over the floor. Besides every entry
     over ours with a host round trip per step, the queued peers over ours queued (torch's
     `torch_dense_sdpa` is queued: CUDA events around the steps), so each mode has a ratio of
-    like against like."""
+    like against like; torch's events also against our GPU-clock entry (`mlx_gpu_pass`)."""
     t = rec["timings"]
     ours = "qsa_cuda" if "qsa_cuda" in t else "qsa_portable"
     m = t[ours]["median_us"]
@@ -615,6 +647,9 @@ def ratios(rec: dict[str, Any]) -> dict[str, float]:
         for k in ("torch_dense_sdpa", "mlx_gather_sdpa_async"):
             if k in t:
                 out[f"{k}/{queued}"] = t[k]["median_us"] / t[queued]["median_us"]
+    gpu = f"{ours}_gpu"  # queued on the GPU's clock: torch's events against our stamps
+    if gpu in t and "torch_dense_sdpa" in t:
+        out[f"torch_dense_sdpa/{gpu}"] = t["torch_dense_sdpa"]["median_us"] / t[gpu]["median_us"]
     out[f"{ours}/floor"] = m / rec["floor"]["us"]
     return out
 
@@ -696,6 +731,8 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
             mx.eval(step(0))
             consumers[f"qsa_{impl}_layer"] = list(lay.last_call.consumers)
             passes[f"qsa_{impl}_layer"] = mlx_pass(step, args.sets)
+            if impl == "cuda":
+                passes[f"qsa_{impl}_layer_gpu"] = mlx_gpu_pass(step, args.sets)
         if "cuda" in outs:
             rec["checks"] = prefill_checks(outs["cuda"], outs["portable"])
         del outs
@@ -788,11 +825,14 @@ def prefill_components(
     sels = [select(s) for s in sets]
     mx.eval([(x.ids, x.valid) for x in sels])
     n = len(sets)
-    passes = {
-        "selection": mlx_pass(lambda i: select(sets[i]).ids, n),
-        "attention": mlx_pass(lambda i: attend(sets[i], sels[i]), n),
-        "selection_attention": mlx_pass(lambda i: attend(sets[i], select(sets[i])), n),
+    steps = {
+        "selection": lambda i: select(sets[i]).ids,
+        "attention": lambda i: attend(sets[i], sels[i]),
+        "selection_attention": lambda i: attend(sets[i], select(sets[i])),
     }
+    passes = {k: mlx_pass(f, n) for k, f in steps.items()}
+    if impl == "cuda":  # also on the GPU's clock, as torch's events time its peer
+        passes.update({f"{k}_gpu": mlx_gpu_pass(f, n) for k, f in steps.items()})
     return passes, list(cplan.consumers), (sels[0], attend(sets[0], sels[0]))
 
 
@@ -861,19 +901,20 @@ def prefill_rates(doc_body: dict[str, Any]) -> None:
         f = p["flops"]
         rates = {}
         for name, t in p["timings"].items():
-            if name.endswith("_selection"):
+            work = name.removesuffix("_gpu")  # a GPU-clock entry does its entry's work
+            if work.endswith("_selection"):
                 flops = f["indexer"]
-            elif name.endswith("_selection_attention"):  # before "_attention", which it ends in
+            elif work.endswith("_selection_attention"):  # before "_attention", which it ends in
                 flops = f["indexer"] + f["sparse_attention"]
-            elif name.endswith("_attention"):
+            elif work.endswith("_attention"):
                 flops = f["sparse_attention"]
-            elif name == "torch_dense_causal_sdpa":
+            elif work == "torch_dense_causal_sdpa":
                 flops = f["dense_causal_attention"]
             else:
                 continue
             tf = flops / (t["median_us"] * 1e-6) / 1e12
             rates[name] = {"tflops": tf, "of_ceiling": tf / ceiling}
-            if name.endswith("_attention") and "attention_kv_bytes" in p:
+            if work.endswith("_attention") and "attention_kv_bytes" in p:
                 gbps = p["attention_kv_bytes"] / (t["median_us"] * 1e-6) / 1e9
                 rates[name]["kv_gbps"] = gbps
                 if "copy_bandwidth" in doc_body:
