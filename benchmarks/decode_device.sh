@@ -29,6 +29,7 @@
 #          benchmarks/sdpa_ab.py (kernel vs MLX's SDPA vs torch; sdpaquick: its 2048-row points)
 #          and benchmarks/sdpa_layer_ab.py (the whole layer, kernel on and off); sdpatests: the
 #          tests only
+# selsweep: the prefill score producer's GB and the top-k's NT, in turns (select_sweep.py)
 # stamptest: the GPU timer stamp (test_cuda_stamp.py) and the bench document tests
 # timeline: benchmarks/timeline.py (CUPTI timeline of decode and prefill steps; TIMELINE_ARGS)
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
@@ -194,6 +195,10 @@ PY
         timeout 200 python3 -m mlx_qsa bench decode --contexts 128k --rows 1 --no-torch --repeats 15 \
           --out "$OUT/decode_128k_rep$i.json" 2>&1 | tee -a "$OUT/decodeab.log" | tail -3
       done ;;
+    selsweep)  # the prefill selection kernels' launch shapes (benchmarks/select_sweep.py)
+      timeout "${SELSWEEP_TIMEOUT:-300}" python3 benchmarks/select_sweep.py "$OUT/select_sweep_$GPU_TAG.json" \
+        ${SELSWEEP_ARGS:-} 2>&1 | tee "$OUT/select_sweep.log" | tail -8
+      rc=$((rc | PIPESTATUS[0])) ;;
     stamptest)  # the GPU timer stamp the bench's `_gpu` entries read
       timeout 200 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_stamp.py \
         tests/test_bench.py 2>&1 | tee "$OUT/stamptest.log" | tail -5

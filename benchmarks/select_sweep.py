@@ -1,0 +1,124 @@
+"""Prefill selection's two kernels under other launch shapes, on the GPU machine (issue 6).
+
+A 2048-row chunk's selection at 32K is ~0.31 ms of GPU time (timeline.py, H100): the `mpp`
+score producer ~176 µs and the top-k ~132 µs, against ~75 µs to write and read its float32
+plane once. This times, on the GPU's clock (`bench.mlx_gpu_pass`) and in turns:
+- the producer with GB (key tiles per CTA: fewer CTAs reload the rows' queries) 2, 4, 8, 16;
+- the top-k with NT (threads per row's CTA) 128, 256, 512, on planes made beforehand;
+and checks that every variant's selection (ids, valid, scores) is the default's, bit for bit.
+
+    python3 benchmarks/select_sweep.py OUT.json [--prefixes 32k,128k] [--sets 4] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_qsa import bench, plan
+from mlx_qsa.config import QSAConfig
+from mlx_qsa.kernels import prefill_score, selector
+from mlx_qsa.sweep import backend_name, environment
+from mlx_qsa.turns import take_turns
+
+GBS = (2, 4, 8, 16)
+NTS = (128, 256, 512)
+
+
+def use(gb: int, nt: int) -> None:
+    """The launchers read these module values at each call; the top-k's plans are cached."""
+    prefill_score._GB = gb
+    if selector._NT_TOPK != nt:
+        selector._NT_TOPK = nt
+        selector._plan_top_k.cache_clear()
+
+
+def measure(cfg: QSAConfig, P: int, a: argparse.Namespace) -> dict:
+    S, r, K = 2048, cfg.indexer_compress_ratio, cfg.block_topk
+    sets = [bench.DecodeSet(cfg, P + S, S, seed=i) for i in range(a.sets)]
+    cap = sets[0].pooled.shape[1]
+    chunk = plan.selector_chunk_rows("prefill_blocks", S, cap, producer="mpp")
+    npad = -(-cap // prefill_score._TB) * prefill_score._TB
+    pieces = [(r0, min(S, r0 + chunk)) for r0 in range(0, S, chunk)]
+    gb0, nt0 = prefill_score._GB, selector._NT_TOPK
+
+    def produce(i: int) -> list:
+        s = sets[i]
+        return [
+            prefill_score.prefill_scores_cuda(s.index_q[:, :, r0:r1], s.pooled, s.positions[r0:r1])
+            for r0, r1 in pieces
+        ]
+
+    def top_k(i: int, planes: list) -> list:
+        return [
+            selector.top_k_from_plane(
+                *planes[j], sets[i].positions[r0:r1], block_topk=K, ratio=r, npad=npad
+            )
+            for j, (r0, r1) in enumerate(pieces)
+        ]
+
+    def selection(i: int) -> list[np.ndarray]:
+        out = top_k(i, produce(i))
+        mx.eval(out)
+        return [np.array(mx.concatenate([p[f] for p in out])) for f in range(3)]
+
+    use(gb0, nt0)
+    base = [selection(i) for i in range(a.sets)]
+    planes = [produce(i) for i in range(a.sets)]
+    mx.eval(planes)
+    passes: dict[str, Callable[[], float]] = {}
+    same: dict[str, bool] = {}
+    for gb in GBS:
+        use(gb, nt0)
+        same[f"score_gb{gb}"] = all(
+            all(np.array_equal(x, y) for x, y in zip(selection(i), base[i], strict=True))
+            for i in range(a.sets)
+        )
+        one = bench.mlx_gpu_pass(lambda i: [p[0] for p in produce(i)], a.sets)
+        passes[f"score_gb{gb}"] = lambda one=one, gb=gb: (use(gb, nt0), one())[1]
+    for nt in NTS:
+        use(gb0, nt)
+        same[f"topk_nt{nt}"] = all(
+            all(
+                np.array_equal(np.array(mx.concatenate([p[f] for p in top_k(i, planes[i])])), b)
+                for f, b in enumerate(base[i])
+            )
+            for i in range(a.sets)
+        )
+        one = bench.mlx_gpu_pass(lambda i: [p[0] for p in top_k(i, planes[i])], a.sets)
+        passes[f"topk_nt{nt}"] = lambda one=one, nt=nt: (use(gb0, nt), one())[1]
+    samples = take_turns(passes, a.repeats, warm_rounds=1, settle_s=a.settle)
+    use(gb0, nt0)
+    t = {k: bench.summary(v) for k, v in samples.items()}
+    line = ", ".join(f"{k} {v['median_us']:.1f}" for k, v in t.items())
+    print(f"prefix {P}: chunk {chunk} x{len(pieces)} (GPU clock, µs): {line}", flush=True)
+    print(f"  same selection as GB {gb0} / NT {nt0}: {same}", flush=True)
+    return {"prefix": P, "rows": S, "chunk_rows": chunk, "timings": t, "selection_equal": same}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--prefixes", default="32k,128k")
+    p.add_argument("--sets", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--settle", type=float, default=1.0)
+    a = p.parse_args()
+    cfg = QSAConfig()
+    doc = {
+        "device": environment(backend_name()),
+        "defaults": {"GB": prefill_score._GB, "NT_TOPK": selector._NT_TOPK},
+        "points": [measure(cfg, P, a) for P in bench._int_list(a.prefixes)],
+    }
+    a.out.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
