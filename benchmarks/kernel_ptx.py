@@ -119,7 +119,12 @@ JOBS = {
          ("SCALE_BITS", 1031798784), ("NT", 256)], FUSED + GATE,
     ),
     "prefill_score": (
-        "prefill_score.cu", "score", SEL_IN, SEL_OUT, [("RATIO", 4), ("L", 8), ("GB", 4)], "",
+        "prefill_score.cu", "score", SEL_IN, SEL_OUT,
+        [("RATIO", 4), ("L", 8), ("GB", 4), ("NW", 8)], "",
+    ),
+    "prefill_score_nw4": (
+        "prefill_score.cu", "score", SEL_IN, SEL_OUT,
+        [("RATIO", 4), ("L", 8), ("GB", 4), ("NW", 4)], "",
     ),
     "prefill_flash": (
         "prefill_flash.cu", "attend",

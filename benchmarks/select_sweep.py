@@ -3,8 +3,9 @@
 A 2048-row chunk's selection at 32K is ~0.31 ms of GPU time (timeline.py, H100): the `mpp`
 score producer ~176 µs and the top-k ~132 µs, against ~75 µs to write and read its float32
 plane once. This times, on the GPU's clock (`bench.mlx_gpu_pass`) and in turns:
-- the producer with GB (key tiles per CTA: fewer CTAs reload the rows' queries) 2, 4, 8, 16;
-- the top-k with NT (threads per row's CTA) 128, 256, 512, on planes made beforehand;
+- the producer with NW (warps per CTA: 4 run both halves of each key tile, 8 one each);
+- the top-k with NT (threads per row's CTA) 256, 512, on planes made beforehand
+  (GB 2-16 key tiles per CTA and NT 128 were measured slower, 2026-12-07);
 and checks that every variant's selection (ids, valid, scores) is the default's, bit for bit.
 
     python3 benchmarks/select_sweep.py OUT.json [--prefixes 32k,128k] [--sets 4] [--repeats 5]
@@ -27,16 +28,19 @@ from mlx_qsa.kernels import prefill_score, selector
 from mlx_qsa.sweep import backend_name, environment
 from mlx_qsa.turns import take_turns
 
-GBS = (2, 4, 8, 16)
-NTS = (128, 256, 512)
+NWS = (4, 8)
+NTS = (256, 512)
 
 
-def use(gb: int, nt: int) -> None:
-    """The launchers read these module values at each call; the top-k's plans are cached."""
-    prefill_score._GB = gb
-    if selector._NT_TOPK != nt:
-        selector._NT_TOPK = nt
-        selector._plan_top_k.cache_clear()
+def use(nw: int, nt: int | None) -> None:
+    """The launchers read these module values at each call; the top-k's plans are cached.
+    nt None: the launcher's own choice (`selector.topk_threads`)."""
+    prefill_score._NW = nw
+    selector._plan_top_k.cache_clear()
+    selector.topk_threads = (lambda rows: nt) if nt is not None else _topk_threads
+
+
+_topk_threads = selector.topk_threads
 
 
 def measure(cfg: QSAConfig, P: int, a: argparse.Namespace) -> dict:
@@ -46,7 +50,7 @@ def measure(cfg: QSAConfig, P: int, a: argparse.Namespace) -> dict:
     chunk = plan.selector_chunk_rows("prefill_blocks", S, cap, producer="mpp")
     npad = -(-cap // prefill_score._TB) * prefill_score._TB
     pieces = [(r0, min(S, r0 + chunk)) for r0 in range(0, S, chunk)]
-    gb0, nt0 = prefill_score._GB, selector._NT_TOPK
+    nw0 = prefill_score._NW
 
     def produce(i: int) -> list:
         s = sets[i]
@@ -68,22 +72,22 @@ def measure(cfg: QSAConfig, P: int, a: argparse.Namespace) -> dict:
         mx.eval(out)
         return [np.array(mx.concatenate([p[f] for p in out])) for f in range(3)]
 
-    use(gb0, nt0)
+    use(nw0, None)
     base = [selection(i) for i in range(a.sets)]
     planes = [produce(i) for i in range(a.sets)]
     mx.eval(planes)
     passes: dict[str, Callable[[], float]] = {}
     same: dict[str, bool] = {}
-    for gb in GBS:
-        use(gb, nt0)
-        same[f"score_gb{gb}"] = all(
+    for nw in NWS:
+        use(nw, None)
+        same[f"score_nw{nw}"] = all(
             all(np.array_equal(x, y) for x, y in zip(selection(i), base[i], strict=True))
             for i in range(a.sets)
         )
         one = bench.mlx_gpu_pass(lambda i: [p[0] for p in produce(i)], a.sets)
-        passes[f"score_gb{gb}"] = lambda one=one, gb=gb: (use(gb, nt0), one())[1]
+        passes[f"score_nw{nw}"] = lambda one=one, nw=nw: (use(nw, None), one())[1]
     for nt in NTS:
-        use(gb0, nt)
+        use(nw0, nt)
         same[f"topk_nt{nt}"] = all(
             all(
                 np.array_equal(np.array(mx.concatenate([p[f] for p in top_k(i, planes[i])])), b)
@@ -92,13 +96,13 @@ def measure(cfg: QSAConfig, P: int, a: argparse.Namespace) -> dict:
             for i in range(a.sets)
         )
         one = bench.mlx_gpu_pass(lambda i: [p[0] for p in top_k(i, planes[i])], a.sets)
-        passes[f"topk_nt{nt}"] = lambda one=one, nt=nt: (use(gb0, nt), one())[1]
+        passes[f"topk_nt{nt}"] = lambda one=one, nt=nt: (use(nw0, nt), one())[1]
     samples = take_turns(passes, a.repeats, warm_rounds=1, settle_s=a.settle)
-    use(gb0, nt0)
+    use(nw0, None)
     t = {k: bench.summary(v) for k, v in samples.items()}
     line = ", ".join(f"{k} {v['median_us']:.1f}" for k, v in t.items())
     print(f"prefix {P}: chunk {chunk} x{len(pieces)} (GPU clock, µs): {line}", flush=True)
-    print(f"  same selection as GB {gb0} / NT {nt0}: {same}", flush=True)
+    print(f"  same selection as the defaults' (NW {nw0}): {same}", flush=True)
     return {"prefix": P, "rows": S, "chunk_rows": chunk, "timings": t, "selection_equal": same}
 
 
@@ -113,7 +117,11 @@ def main() -> int:
     cfg = QSAConfig()
     doc = {
         "device": environment(backend_name()),
-        "defaults": {"GB": prefill_score._GB, "NT_TOPK": selector._NT_TOPK},
+        "defaults": {
+            "GB": prefill_score._GB,
+            "NW": prefill_score._NW,
+            "NT_TOPK": [selector._NT_TOPK, selector._NT_TOPK_MANY, selector._MANY_ROWS],
+        },
         "points": [measure(cfg, P, a) for P in bench._int_list(a.prefixes)],
     }
     a.out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -12,7 +12,7 @@ from mlx_qsa.kernels.device import HOPPER, DeviceLimits
 from mlx_qsa.kernels.gemm import family_for_device, plan_gemm
 from mlx_qsa.kernels.prefill_flash import prefill_flash_unsupported, smem_bytes
 from mlx_qsa.kernels.prefill_score import SMEM_BYTES, prefill_score_supports
-from mlx_qsa.kernels.selector import selector_unsupported, topk_smem_bytes
+from mlx_qsa.kernels.selector import selector_unsupported, topk_smem_bytes, topk_threads
 
 A100 = DeviceLimits((8, 0), 166_912)
 L40S = DeviceLimits((8, 9), 101_376)
@@ -68,6 +68,13 @@ def test_selector_follows_shared_memory():
     why = selector_unsupported(mx.bfloat16, 1, 4, 128, 1 << 20, limits=L40S)  # 4M tokens
     assert "the top-k pass needs 163840 bytes" in why
     assert selector_unsupported(mx.bfloat16, 1, 4, 128, 1 << 20, limits=HOPPER) is None
+
+
+def test_topk_threads_by_rows():
+    # one CTA a row: 512 threads while few rows run (decode, short chunks), 256 from 512 rows
+    # on, where more rows in flight per SM won (select_sweep.py, H100)
+    assert [topk_threads(n) for n in (1, 8, 64, 511)] == [512] * 4
+    assert [topk_threads(n) for n in (512, 992, 2048)] == [256] * 3
 
 
 def test_prefill_score_follows_shared_memory():

@@ -6,7 +6,8 @@
 // -> adj [C, npad] float32 (npad = cap rounded up to 64; only b < nb(row) meaningful),
 //    summ [C, npad / 32, L] uint32 (the L largest order keys of each 32-block chunk, descending,
 //    0 = none; chunks past a row's blocks unwritten), nbs [C] int32 = min((p + 1) / RATIO, cap).
-// CTA: 64 rows x a run of GB tiles of 64 blocks, 4 warps; warp w owns rows 16w..16w+15. The
+// CTA: 64 rows x a run of GB tiles of 64 blocks, NW warps (4 or 8); warp w owns rows
+// 16 (w % 4)..+15 and, with 8 warps, half w / 4 of each tile (4 warps run both halves). The
 // rows' queries stay in shared memory for the run (loaded once, not once per tile) while the key
 // tiles stream through two cp.async buffers. Per 32-block half tile a warp runs mma.sync
 // m16n8k16 (bf16 in, float32 accumulate) over d = 0..127 for the 4 heads, sharing each k-step's
@@ -14,11 +15,15 @@
 // by sqrt(128), minus float32(b) * 1e-12 (all rounded, no FMA). The plane goes out from
 // registers; a row's 32 scores of the half sit in 4 lanes (8 each), so its summary is a sort of
 // 8 in registers and two merges with the other lanes (shuffles), not 8 warp-wide reductions.
-// Grid (C / 64 row tiles) * ceil(npad / 64 / GB) CTAs of 128 threads, runs fastest.
+// Grid (C / 64 row tiles) * ceil(npad / 64 / GB) CTAs of 32 NW threads, runs fastest. With 8
+// warps an SM holds twice the warps in the same shared memory (two CTAs of ~101 KB), which
+// hides more of the ldmatrix -> mma chains and the epilogue; the scores are the same bits.
 // Dynamic shared memory: q tile 64 x (4 x 128 + 8) bf16, 2 key tiles 64 x (128 + 8) bf16.
-// Template: RATIO, L (8), GB.
+// Template: RATIO, L (8), GB, NW.
 constexpr int DI = 128, HI = 4, TR = 64, TB = 64, QS = HI * DI + 8, KS = DI + 8;
 static_assert(L == 8, "the summary sort keeps 8 keys per chunk");
+static_assert(NW == 4 || NW == 8, "4 row groups of 16, one or both tile halves a warp");
+constexpr int NTH = 32 * NW;
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(qsa_dyn_smem);
 __nv_bfloat16* k_s = q_s + TR * QS;  // two buffers of TB * KS
@@ -56,13 +61,13 @@ auto cp16 = [](void* dst, const void* src, bool ok) {
                "r"(ok ? 16u : 0u));
 };
 auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
-for (int idx = tid; idx < TR * HI * (DI / 8); idx += 128) {
+for (int idx = tid; idx < TR * HI * (DI / 8); idx += NTH) {
   const int r = idx / (HI * DI / 8), rem = idx % (HI * DI / 8), h = rem / (DI / 8), c = rem % (DI / 8);
   const bool ok = r0 + r < C;
   cp16(q_s + r * QS + h * DI + c * 8, index_q + ((long long)h * C + (ok ? r0 + r : 0)) * DI + c * 8, ok);
 }
 auto load_keys = [&](int buf, int t) {
-  for (int idx = tid; idx < TB * (DI / 8); idx += 128) {
+  for (int idx = tid; idx < TB * (DI / 8); idx += NTH) {
     const int n = idx / (DI / 8), c = idx % (DI / 8), b = t * TB + n;
     const bool ok = b < cap;
     cp16(k_s + buf * TB * KS + n * KS + c * 8, pooled + (long long)(ok ? b : 0) * DI + c * 8, ok);
@@ -74,7 +79,7 @@ commit();
 // Fragments (PTX m16n8k16): C row = lane / 4 (+8), col = 2 * (lane % 4) + {0, 1}. ldmatrix.x4
 // addresses: A (q) rows lane % 16, k half lane / 16; B (keys, stored [n][k]) n-tile lane / 16,
 // n lane % 8, k half lane / 8 % 2 -> {b0, b1} of two consecutive n-tiles.
-const int wr = warp * 16, qr = lane >> 2, ak = 2 * (lane & 3);
+const int wr = (warp & 3) * 16, qr = lane >> 2, ak = 2 * (lane & 3);
 const unsigned qa_base =
     (unsigned)__cvta_generic_to_shared(q_s + (wr + (lane & 15)) * QS + (lane >> 4) * 8);
 const int rowA = r0 + wr + qr, rowB = rowA + 8;
@@ -88,7 +93,8 @@ for (int t = t_begin; t < t_end; ++t) {
   const unsigned kb_base = (unsigned)__cvta_generic_to_shared(
       k_s + buf * TB * KS + ((lane >> 4) * 8 + (lane & 7)) * KS + ((lane >> 3) & 1) * 8);
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
+  for (int j = 0; j < 8 / NW; ++j) {  // the tile halves this warp runs
+    const int hf = NW == 8 ? warp >> 2 : j;
     const int c0 = t * TB + hf * 32;  // first block of this half
     float acc[HI][4][4];
 #pragma unroll

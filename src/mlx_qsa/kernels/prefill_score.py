@@ -15,6 +15,8 @@ from .device import DeviceLimits
 from .selector import _L, top_k_from_plane
 
 _TR, _TB, _GB = 64, 64, 4  # rows per CTA, blocks per tile, tiles per CTA
+# Warps per CTA (prefill_score.cu): 8 run one tile half each, 4 both halves; the same bits.
+_NW = 8
 
 
 SMEM_BYTES = _TR * (4 * 128 + 8) * 2 + 2 * _TB * (128 + 8) * 2  # query rows + two key tiles
@@ -68,13 +70,13 @@ def prefill_scores_cuda(index_q: mx.array, pooled: mx.array, pos: mx.array, *, r
         (),
         shared_memory=smem,
         ensure_row_contiguous=True,
-        template=(("RATIO", ratio), ("L", _L), ("GB", _GB)),
+        template=(("RATIO", ratio), ("L", _L), ("GB", _GB), ("NW", _NW)),
     )
     return tuple(
         kernel(
             inputs=[index_q, pooled, pos],
-            grid=(n_cta * 128, 1, 1),
-            threadgroup=(128, 1, 1),
+            grid=(n_cta * 32 * _NW, 1, 1),
+            threadgroup=(32 * _NW, 1, 1),
             output_shapes=[(C, npad), (C, npad // 32 * _L), (C,)],
             output_dtypes=[mx.float32, mx.uint32, mx.int32],
         )

@@ -19,7 +19,11 @@ from .device import DeviceLimits
 _MODES = ("blocks", "row_tokens")
 _L = 8  # summaries kept per 32-block chunk by the score pass
 _CAP = 4096  # candidates the top-k pass keeps in shared memory
-_NT_TOPK = 512
+_NT_TOPK = 512  # threads of a top-k CTA (one row) when few rows run at once
+# ... and from _MANY_ROWS rows on: more rows in flight per SM beat more threads per row
+# (H100, benchmarks/select_sweep.py: 2048 rows after 32K 110.8 µs at 256 threads against
+# 141.7 at 512; 992-row pieces after 128K 197.7 against 227.3; the same selections).
+_NT_TOPK_MANY, _MANY_ROWS = 256, 512
 _NT_SCORE = 128  # threads (= block keys) of a score CTA in the two-launch form
 _NT_FUSED = 256  # threads of a CTA of the one-launch form (its top-k runs on one of them)
 _NT_SPLIT = 512  # threads of a one-launch CTA whose block keys take one thread per head
@@ -385,9 +389,15 @@ def _top_k_outputs(S: int, K: int, ratio: int, rows: bool) -> tuple[tuple, list,
     return names, shapes, dtypes
 
 
+def topk_threads(rows: int) -> int:
+    """Threads of each row's top-k CTA for a launch over `rows` rows."""
+    return _NT_TOPK_MANY if rows >= _MANY_ROWS else _NT_TOPK
+
+
 @functools.lru_cache(maxsize=256)
 def _plan_top_k(S: int, K: int, ratio: int, npad: int, mode: str):
     rows = mode == "row_tokens"
+    nt = topk_threads(S)
     outputs, shapes, dtypes = _top_k_outputs(S, K, ratio, rows)
     # One size class per bitmap bound, so the dynamic shared memory never changes under a name.
     smem = topk_smem_bytes(npad)
@@ -400,15 +410,15 @@ def _plan_top_k(S: int, K: int, ratio: int, npad: int, mode: str):
         shared_memory=smem,
         ensure_row_contiguous=True,
         prefix="#define QSA_ROW_TOKENS\n" if rows else "",
-        template=(("K", K), ("RATIO", ratio), ("L", _L), ("CAP", _CAP), ("NT", _NT_TOPK)),
+        template=(("K", K), ("RATIO", ratio), ("L", _L), ("CAP", _CAP), ("NT", nt)),
     )
 
     def run(adj, summ, nbs, pos):
         return tuple(
             topk(
                 inputs=[adj, summ, nbs, pos],
-                grid=(S * _NT_TOPK, 1, 1),
-                threadgroup=(_NT_TOPK, 1, 1),
+                grid=(S * nt, 1, 1),
+                threadgroup=(nt, 1, 1),
                 output_shapes=shapes,
                 output_dtypes=dtypes,
             )
