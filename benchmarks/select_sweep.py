@@ -4,8 +4,10 @@ A 2048-row chunk's selection at 32K is ~0.31 ms of GPU time (timeline.py, H100):
 score producer ~176 µs and the top-k ~132 µs, against ~75 µs to write and read its float32
 plane once. This times, on the GPU's clock (`bench.mlx_gpu_pass`) and in turns:
 - the producer with NW (warps per CTA: 4 run both halves of each key tile, 8 one each);
-- the top-k with NT (threads per row's CTA) 256, 512, on planes made beforehand
-  (GB 2-16 key tiles per CTA and NT 128 were measured slower, 2026-12-07);
+- with `--gbs`, the producer with other GB (key tiles per CTA; 2-16 were slower than 4 with
+  4 warps, 2026-12-07);
+- the top-k with NT (threads per row's CTA) 256, 512, on planes made beforehand (NT 128 was
+  slower);
 and checks that every variant's selection (ids, valid, scores) is the default's, bit for bit.
 
     python3 benchmarks/select_sweep.py OUT.json [--prefixes 32k,128k] [--sets 4] [--repeats 5]
@@ -32,15 +34,17 @@ NWS = (4, 8)
 NTS = (256, 512)
 
 
-def use(nw: int, nt: int | None) -> None:
+def use(nw: int, nt: int | None, gb: int | None = None) -> None:
     """The launchers read these module values at each call; the top-k's plans are cached.
-    nt None: the launcher's own choice (`selector.topk_threads`)."""
+    nt None: the launcher's own choice (`selector.topk_threads`); gb None: the default."""
     prefill_score._NW = nw
+    prefill_score._GB = _GB if gb is None else gb
     selector._plan_top_k.cache_clear()
     selector.topk_threads = (lambda rows: nt) if nt is not None else _topk_threads
 
 
 _topk_threads = selector.topk_threads
+_GB = prefill_score._GB
 
 
 def measure(cfg: QSAConfig, P: int, a: argparse.Namespace) -> dict:
@@ -86,6 +90,14 @@ def measure(cfg: QSAConfig, P: int, a: argparse.Namespace) -> dict:
         )
         one = bench.mlx_gpu_pass(lambda i: [p[0] for p in produce(i)], a.sets)
         passes[f"score_nw{nw}"] = lambda one=one, nw=nw: (use(nw, None), one())[1]
+    for gb in a.gbs:  # key tiles per CTA, with the default warps
+        use(nw0, None, gb)
+        same[f"score_gb{gb}"] = all(
+            all(np.array_equal(x, y) for x, y in zip(selection(i), base[i], strict=True))
+            for i in range(a.sets)
+        )
+        one = bench.mlx_gpu_pass(lambda i: [p[0] for p in produce(i)], a.sets)
+        passes[f"score_gb{gb}"] = lambda one=one, gb=gb: (use(nw0, None, gb), one())[1]
     for nt in NTS:
         use(nw0, nt)
         same[f"topk_nt{nt}"] = all(
@@ -113,6 +125,7 @@ def main() -> int:
     p.add_argument("--sets", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--settle", type=float, default=1.0)
+    p.add_argument("--gbs", type=bench._int_list, default=(), help="producer GB values, e.g. 2,8")
     a = p.parse_args()
     cfg = QSAConfig()
     doc = {
