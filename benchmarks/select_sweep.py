@@ -6,8 +6,8 @@ plane once. This times, on the GPU's clock (`bench.mlx_gpu_pass`) and in turns:
 - the producer with NW (warps per CTA: 4 run both halves of each key tile, 8 one each);
 - with `--gbs`, the producer with other GB (key tiles per CTA; 2-16 were slower than 4 with
   4 warps, 2026-12-07);
-- the top-k with NT (threads per row's CTA) 256, 512, on planes made beforehand (NT 128 was
-  slower);
+- the top-k with NT threads and CAP candidates per row's CTA, (256, 2048), (256, 4096),
+  (512, 4096), on planes made beforehand (NT 128 was slower);
 and checks that every variant's selection (ids, valid, scores) is the default's, bit for bit.
 
     python3 benchmarks/select_sweep.py OUT.json [--prefixes 32k,128k] [--sets 4] [--repeats 5]
@@ -31,19 +31,19 @@ from mlx_qsa.sweep import backend_name, environment
 from mlx_qsa.turns import take_turns
 
 NWS = (4, 8)
-NTS = (256, 512)
+TOPKS = ((256, 2048), (256, 4096), (512, 4096))  # (threads, candidate capacity)
 
 
-def use(nw: int, nt: int | None, gb: int | None = None) -> None:
+def use(nw: int, shape: tuple[int, int] | None, gb: int | None = None) -> None:
     """The launchers read these module values at each call; the top-k's plans are cached.
-    nt None: the launcher's own choice (`selector.topk_threads`); gb None: the default."""
+    shape None: the launcher's own (`selector.topk_shape`); gb None: the default."""
     prefill_score._NW = nw
     prefill_score._GB = _GB if gb is None else gb
     selector._plan_top_k.cache_clear()
-    selector.topk_threads = (lambda rows: nt) if nt is not None else _topk_threads
+    selector.topk_shape = (lambda rows: shape) if shape is not None else _topk_shape
 
 
-_topk_threads = selector.topk_threads
+_topk_shape = selector.topk_shape
 _GB = prefill_score._GB
 
 
@@ -98,9 +98,10 @@ def measure(cfg: QSAConfig, P: int, a: argparse.Namespace) -> dict:
         )
         one = bench.mlx_gpu_pass(lambda i: [p[0] for p in produce(i)], a.sets)
         passes[f"score_gb{gb}"] = lambda one=one, gb=gb: (use(nw0, None, gb), one())[1]
-    for nt in NTS:
-        use(nw0, nt)
-        same[f"topk_nt{nt}"] = all(
+    for shape in TOPKS:
+        use(nw0, shape)
+        name = f"topk_nt{shape[0]}_cap{shape[1]}"
+        same[name] = all(
             all(
                 np.array_equal(np.array(mx.concatenate([p[f] for p in top_k(i, planes[i])])), b)
                 for f, b in enumerate(base[i])
@@ -108,7 +109,7 @@ def measure(cfg: QSAConfig, P: int, a: argparse.Namespace) -> dict:
             for i in range(a.sets)
         )
         one = bench.mlx_gpu_pass(lambda i: [p[0] for p in top_k(i, planes[i])], a.sets)
-        passes[f"topk_nt{nt}"] = lambda one=one, nt=nt: (use(nw0, nt), one())[1]
+        passes[name] = lambda one=one, shape=shape: (use(nw0, shape), one())[1]
     samples = take_turns(passes, a.repeats, warm_rounds=1, settle_s=a.settle)
     use(nw0, None)
     t = {k: bench.summary(v) for k, v in samples.items()}

@@ -23,20 +23,20 @@ from mlx_qsa.kernels.prefill_flash import (
     union_keys,
 )
 from mlx_qsa.kernels.prefill_score import prefill_scores_cuda, select_prefill_cuda
-from mlx_qsa.kernels.selector import select_blocks_portable
+from mlx_qsa.kernels.selector import select_blocks_portable, topk_shape
 
 
-def _inputs(rng, S, P, quantized=False):
+def _inputs(rng, S, P, quantized=False, levels=3):
     pos = np.arange(P, P + S)
     nb_max = (pos[-1] + 1) // 4
     cap = nb_max + 37  # not a multiple of the 64-block tile; rows past nb are garbage (NaN)
-    q, k, qm, km = make_selector_inputs(rng, S, 4, cap, nb_max, quantized=quantized)
+    q, k, qm, km = make_selector_inputs(rng, S, 4, cap, nb_max, quantized=quantized, levels=levels)
     q4 = qm.transpose(1, 0, 2)[None]  # the layer's [1, H_I, S, d_I]
     return q, k, q4, km, pos, mx.array(pos.astype(np.int32))
 
 
 @needs_cuda
-@pytest.mark.parametrize("S,P", [(100, 1990), (64, 5000), (257, 2047), (130, 40000)])
+@pytest.mark.parametrize("S,P", [(100, 1990), (64, 5000), (257, 2047), (130, 40000), (600, 3000)])
 def test_select_prefill_matches_references(S, P):
     rng = np.random.default_rng([41, S, P])
     q, k, q4, km, pos, pm = _inputs(rng, S, P)
@@ -54,12 +54,14 @@ def test_select_prefill_matches_references(S, P):
 
 
 @needs_cuda
-@pytest.mark.parametrize("levels", [1, 3])
-def test_exact_dots_give_exact_scores_and_ties_to_low_ids(levels):
+@pytest.mark.parametrize("levels,S,P", [(1, 96, 6000), (3, 96, 6000), (1, 600, 12000)])
+def test_exact_dots_give_exact_scores_and_ties_to_low_ids(levels, S, P):
     """Small-integer inputs: every dot product is exact in any order, so scores equal the
-    twin's bit for bit and the many ties resolve to the lowest ids exactly as specified."""
-    rng = np.random.default_rng([43, levels])
-    q, k, q4, km, pos, pm = _inputs(rng, 96, 6000, quantized=True)
+    twin's bit for bit and the many ties resolve to the lowest ids exactly as specified. At
+    600 rows the top-k runs its many-rows form (`topk_shape`: room for 2048 candidates), over
+    ~3000 blocks of few distinct scores (`levels` 1: entries in {-1, 0, 1})."""
+    rng = np.random.default_rng([43, levels, S])
+    q, k, q4, km, pos, pm = _inputs(rng, S, P, quantized=True, levels=levels)
     got = select_prefill_cuda(q4, km, pm)
     twin = select_blocks_portable(bf16(q), km, pm)
     for a, b in zip(got, twin, strict=True):
@@ -72,6 +74,20 @@ def test_chunks_equal_one_plane():
     _, _, q4, km, _, pm = _inputs(rng, 200, 9000)
     whole = select_prefill_cuda(q4, km, pm)
     for chunk in (48, 64, 199):
+        part = select_prefill_cuda(q4, km, pm, chunk=chunk)
+        for a, b in zip(whole, part, strict=True):
+            assert mx.array_equal(a, b).item()
+
+
+@needs_cuda
+def test_many_rows_top_k_equals_the_few_rows_form():
+    # 640 rows in one plane run the top-k's many-rows form (256 threads, 2048 candidates a
+    # row), 320-row chunks its few-rows form (512, 4096): the same selections, bit for bit
+    assert topk_shape(640) != topk_shape(320)
+    rng = np.random.default_rng(53)
+    _, _, q4, km, _, pm = _inputs(rng, 640, 20000)
+    whole = select_prefill_cuda(q4, km, pm)
+    for chunk in (320,):
         part = select_prefill_cuda(q4, km, pm, chunk=chunk)
         for a, b in zip(whole, part, strict=True):
             assert mx.array_equal(a, b).item()

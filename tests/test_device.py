@@ -12,7 +12,7 @@ from mlx_qsa.kernels.device import HOPPER, DeviceLimits
 from mlx_qsa.kernels.gemm import family_for_device, plan_gemm
 from mlx_qsa.kernels.prefill_flash import prefill_flash_unsupported, smem_bytes
 from mlx_qsa.kernels.prefill_score import SMEM_BYTES, prefill_score_supports
-from mlx_qsa.kernels.selector import selector_unsupported, topk_smem_bytes, topk_threads
+from mlx_qsa.kernels.selector import selector_unsupported, topk_shape, topk_smem_bytes
 
 A100 = DeviceLimits((8, 0), 166_912)
 L40S = DeviceLimits((8, 9), 101_376)
@@ -70,11 +70,13 @@ def test_selector_follows_shared_memory():
     assert selector_unsupported(mx.bfloat16, 1, 4, 128, 1 << 20, limits=HOPPER) is None
 
 
-def test_topk_threads_by_rows():
-    # one CTA a row: 512 threads while few rows run (decode, short chunks), 256 from 512 rows
-    # on, where more rows in flight per SM won (select_sweep.py, H100)
-    assert [topk_threads(n) for n in (1, 8, 64, 511)] == [512] * 4
-    assert [topk_threads(n) for n in (512, 992, 2048)] == [256] * 3
+def test_topk_shape_by_rows():
+    # one CTA a row: 512 threads and 4096 candidates while few rows run (decode, short chunks);
+    # from 512 rows on 256 threads and 2048 candidates (24 KB: 8 CTAs an SM), where more rows in
+    # flight per SM won (select_sweep.py, H100)
+    assert [topk_shape(n) for n in (1, 8, 64, 511)] == [(512, 4096)] * 4
+    assert [topk_shape(n) for n in (512, 992, 2048)] == [(256, 2048)] * 3
+    assert topk_smem_bytes(8704, 2048) == 2048 * 8 + 4 * 2048
 
 
 def test_prefill_score_follows_shared_memory():

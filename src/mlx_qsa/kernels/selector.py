@@ -20,10 +20,12 @@ _MODES = ("blocks", "row_tokens")
 _L = 8  # summaries kept per 32-block chunk by the score pass
 _CAP = 4096  # candidates the top-k pass keeps in shared memory
 _NT_TOPK = 512  # threads of a top-k CTA (one row) when few rows run at once
-# ... and from _MANY_ROWS rows on: more rows in flight per SM beat more threads per row
-# (H100, benchmarks/select_sweep.py: 2048 rows after 32K 110.8 µs at 256 threads against
-# 141.7 at 512; 992-row pieces after 128K 197.7 against 227.3; the same selections).
-_NT_TOPK_MANY, _MANY_ROWS = 256, 512
+# ... and from _MANY_ROWS rows on, 256 threads and room for 2048 candidates (24 KB of shared
+# memory: 8 CTAs an SM, not 5): more rows in flight per SM beat more threads per row (H100,
+# benchmarks/select_sweep.py: 2048 rows after 32K 110.8 µs at 256 threads against 141.7 at
+# 512; 992-row pieces after 128K 197.7 against 227.3; the same selections). A row with more
+# candidates than its room takes the exact global-memory path (slower, same result).
+_NT_TOPK_MANY, _CAP_MANY, _MANY_ROWS = 256, 2048, 512
 _NT_SCORE = 128  # threads (= block keys) of a score CTA in the two-launch form
 _NT_FUSED = 256  # threads of a CTA of the one-launch form (its top-k runs on one of them)
 _NT_SPLIT = 512  # threads of a one-launch CTA whose block keys take one thread per head
@@ -210,10 +212,11 @@ def selector_unsupported(
     return None
 
 
-def topk_smem_bytes(npad: int) -> int:
+def topk_smem_bytes(npad: int, cap: int = _CAP) -> int:
     """Dynamic shared memory of the top-k kernel over `npad` padded blocks: the candidate
-    buffer and one bitmap bound per 32 blocks (one size class per bound, see top_k_from_plane)."""
-    return _CAP * 8 + 4 * max(2048, npad // 32)
+    buffer (`cap` candidates) and one bitmap bound per 32 blocks (one size class per bound, see
+    top_k_from_plane)."""
+    return cap * 8 + 4 * max(2048, npad // 32)
 
 
 def select_blocks_cuda(
@@ -389,18 +392,18 @@ def _top_k_outputs(S: int, K: int, ratio: int, rows: bool) -> tuple[tuple, list,
     return names, shapes, dtypes
 
 
-def topk_threads(rows: int) -> int:
-    """Threads of each row's top-k CTA for a launch over `rows` rows."""
-    return _NT_TOPK_MANY if rows >= _MANY_ROWS else _NT_TOPK
+def topk_shape(rows: int) -> tuple[int, int]:
+    """(threads, candidate capacity) of each row's top-k CTA for a launch over `rows` rows."""
+    return (_NT_TOPK_MANY, _CAP_MANY) if rows >= _MANY_ROWS else (_NT_TOPK, _CAP)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_top_k(S: int, K: int, ratio: int, npad: int, mode: str):
     rows = mode == "row_tokens"
-    nt = topk_threads(S)
+    nt, cap = topk_shape(S)
     outputs, shapes, dtypes = _top_k_outputs(S, K, ratio, rows)
     # One size class per bitmap bound, so the dynamic shared memory never changes under a name.
-    smem = topk_smem_bytes(npad)
+    smem = topk_smem_bytes(npad, cap)
     topk = _launch.build(
         "selector.cu",
         "topk+select",
@@ -410,7 +413,7 @@ def _plan_top_k(S: int, K: int, ratio: int, npad: int, mode: str):
         shared_memory=smem,
         ensure_row_contiguous=True,
         prefix="#define QSA_ROW_TOKENS\n" if rows else "",
-        template=(("K", K), ("RATIO", ratio), ("L", _L), ("CAP", _CAP), ("NT", nt)),
+        template=(("K", K), ("RATIO", ratio), ("L", _L), ("CAP", cap), ("NT", nt)),
     )
 
     def run(adj, summ, nbs, pos):
