@@ -6,7 +6,7 @@ plane once. This times, on the GPU's clock (`bench.mlx_gpu_pass`) and in turns:
 - the producer with NW (warps per CTA: 4 run both halves of each key tile, 8 one each);
 - with `--gbs`, the producer with other GB (key tiles per CTA; 2-16 were slower than 4 with
   4 warps, 2026-12-07);
-- the top-k with NT threads and CAP candidates per row's CTA, (256, 2048), (256, 4096),
+- the top-k with NT threads and CAP candidates per row's CTA, (128, 2048), (256, 2048), (256, 4096),
   (512, 4096), on planes made beforehand (NT 128 was slower);
 and checks that every variant's selection (ids, valid, scores) is the default's, bit for bit.
 
@@ -31,7 +31,7 @@ from mlx_qsa.sweep import backend_name, environment
 from mlx_qsa.turns import take_turns
 
 NWS = (4, 8)
-TOPKS = ((256, 2048), (256, 4096), (512, 4096))  # (threads, candidate capacity)
+TOPKS = ((128, 2048), (256, 2048), (256, 4096), (512, 4096))  # (threads, candidates)
 
 
 def use(nw: int, shape: tuple[int, int] | None, gb: int | None = None) -> None:
