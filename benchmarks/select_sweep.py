@@ -6,8 +6,8 @@ plane once. This times, on the GPU's clock (`bench.mlx_gpu_pass`) and in turns:
 - the producer with NW (warps per CTA: 4 run both halves of each key tile, 8 one each);
 - with `--gbs`, the producer with other GB (key tiles per CTA; 2-16 were slower than 4 with
   4 warps, 2026-12-07);
-- the top-k with NT threads and CAP candidates per row's CTA, (128, 2048), (256, 2048), (256, 4096),
-  (512, 4096), on planes made beforehand (NT 128 was slower);
+- the top-k with NT threads and CAP candidates per row's CTA, (128, 2048), (256, 2048),
+  (256, 4096), (512, 4096), on planes made beforehand ((128, 4096) was slower);
 and checks that every variant's selection (ids, valid, scores) is the default's, bit for bit.
 
     python3 benchmarks/select_sweep.py OUT.json [--prefixes 32k,128k] [--sets 4] [--repeats 5]
