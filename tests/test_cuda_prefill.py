@@ -81,7 +81,7 @@ def test_chunks_equal_one_plane():
 
 @needs_cuda
 def test_many_rows_top_k_equals_the_few_rows_form():
-    # 640 rows in one plane run the top-k's many-rows form (256 threads, 2048 candidates a
+    # 640 rows in one plane run the top-k's many-rows form (128 threads, 2048 candidates a
     # row), 320-row chunks its few-rows form (512, 4096): the same selections, bit for bit
     assert topk_shape(640) != topk_shape(320)
     rng = np.random.default_rng(53)

@@ -72,10 +72,10 @@ def test_selector_follows_shared_memory():
 
 def test_topk_shape_by_rows():
     # one CTA a row: 512 threads and 4096 candidates while few rows run (decode, short chunks);
-    # from 512 rows on 256 threads and 2048 candidates (24 KB: 8 CTAs an SM), where more rows in
-    # flight per SM won (select_sweep.py, H100)
+    # from 512 rows on 128 threads and 2048 candidates (24 KB: 8 CTAs an SM), where more rows
+    # in flight per SM won (select_sweep.py, H100)
     assert [topk_shape(n) for n in (1, 8, 64, 511)] == [(512, 4096)] * 4
-    assert [topk_shape(n) for n in (512, 992, 2048)] == [(256, 2048)] * 3
+    assert [topk_shape(n) for n in (512, 992, 2048)] == [(128, 2048)] * 3
     assert topk_smem_bytes(8704, 2048) == 2048 * 8 + 4 * 2048
 
 

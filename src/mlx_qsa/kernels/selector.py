@@ -20,12 +20,13 @@ _MODES = ("blocks", "row_tokens")
 _L = 8  # summaries kept per 32-block chunk by the score pass
 _CAP = 4096  # candidates the top-k pass keeps in shared memory
 _NT_TOPK = 512  # threads of a top-k CTA (one row) when few rows run at once
-# ... and from _MANY_ROWS rows on, 256 threads and room for 2048 candidates (24 KB of shared
-# memory: 8 CTAs an SM, not 5): more rows in flight per SM beat more threads per row (H100,
-# benchmarks/select_sweep.py: 2048 rows after 32K 110.8 µs at 256 threads against 141.7 at
-# 512; 992-row pieces after 128K 197.7 against 227.3; the same selections). A row with more
-# candidates than its room takes the exact global-memory path (slower, same result).
-_NT_TOPK_MANY, _CAP_MANY, _MANY_ROWS = 256, 2048, 512
+# ... and from _MANY_ROWS rows on, 128 threads and room for 2048 candidates (24 KB of shared
+# memory; 55 registers a thread): 8 rows in flight an SM instead of 2. More rows at once beat
+# more threads a row (H100, benchmarks/select_sweep.py, threads / candidates: 2048 rows after
+# 32K 98.0 µs at 128 / 2048, 108.7 at 256 / 2048, 143.2 at 512 / 4096; 992-row pieces after
+# 128K 192.0, 193.0, 222.3; the same selections). A row with more candidates than its room
+# takes the exact global-memory path (slower, same result).
+_NT_TOPK_MANY, _CAP_MANY, _MANY_ROWS = 128, 2048, 512
 _NT_SCORE = 128  # threads (= block keys) of a score CTA in the two-launch form
 _NT_FUSED = 256  # threads of a CTA of the one-launch form (its top-k runs on one of them)
 _NT_SPLIT = 512  # threads of a one-launch CTA whose block keys take one thread per head
