@@ -134,7 +134,7 @@ def main() -> int:
         "defaults": {
             "GB": prefill_score._GB,
             "NW": prefill_score._NW,
-            "NT_TOPK": [selector._NT_TOPK, selector._NT_TOPK_MANY, selector._MANY_ROWS],
+            "topk_shape_2048_rows": list(selector.topk_shape(2048)),
         },
         "points": [measure(cfg, P, a) for P in bench._int_list(a.prefixes)],
     }
