@@ -8,7 +8,7 @@ at its power cap, and a short burst after lighter load runs at higher clocks). F
 - submit: building the calls and returning from the last `mx.async_eval` (the host's part);
 - wall: until `mx.synchronize()` returns (what the sweep's steady figure measures);
 - gpu: the GPU's own time per call, from a one-thread kernel reading the global timer after
-  every call (`gpu_stamp.cu`): (last stamp − first stamp) / (calls − 1), the counterpart of
+  every call (`mlx_qsa.kernels.stamp`): (last stamp − first stamp) / (calls − 1), the counterpart of
   torch's events; and the median and largest call-to-call span.
 Each call is submitted with `mx.async_eval` as it is built (the sweep's steady loop);
 `--together` builds a round's calls first and submits them at once. torch is timed by wall
@@ -23,33 +23,12 @@ import argparse
 import functools
 import statistics
 import time
-from pathlib import Path
 
 import mlx.core as mx
 from gemm_profile import call
 
+from mlx_qsa.kernels.stamp import gpu_stamp as stamp
 from mlx_qsa.sweep import OPERATORS, make_inputs, time_steady
-
-
-@functools.cache
-def _stamp_kernel():
-    return mx.fast.cuda_kernel(
-        name="qsa_gpu_stamp",
-        input_names=["after"],
-        output_names=["stamp"],
-        source=Path(__file__).with_name("gpu_stamp.cu").read_text().split("\n", 1)[1],
-    )
-
-
-def stamp(after: mx.array) -> mx.array:
-    """The GPU's global timer (ns) when the stream reaches this point, after ``after``."""
-    return _stamp_kernel()(
-        inputs=[after],
-        grid=(1, 1, 1),
-        threadgroup=(32, 1, 1),
-        output_shapes=[(1,)],
-        output_dtypes=[mx.uint64],
-    )[0]
 
 
 def mlx_round(fn, per_round: int, together: bool) -> dict[str, float]:
