@@ -1,0 +1,84 @@
+"""The benchmark scripts' pure parts: the timeline's per-step split (benchmarks/timeline.py) and
+the tables BENCHMARKS.md takes from bench documents (benchmarks/summarize.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _x(cat: str, name: str, ts: float, dur: float, corr: int | None = None) -> dict:
+    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    if corr is not None:
+        e["args"] = {"correlation": corr}
+    return e
+
+
+def test_timeline_splits_each_step_and_ties_a_graphs_kernels_to_its_launch():
+    tl = _script("timeline")
+    trace = {"traceEvents": [
+        _x("user_annotation", "d:0", 0, 200),
+        _x("user_annotation", "build", 2, 40),
+        _x("user_annotation", "eval", 45, 150),
+        _x("cuda_runtime", "cudaGraphLaunch", 60, 8, corr=7),
+        _x("kernel", "score", 70, 30, corr=7),  # one graph launch, two kernels
+        _x("kernel", "attend", 101, 12, corr=7),
+        _x("cuda_runtime", "cudaEventSynchronize", 80, 110, corr=8),
+        _x("user_annotation", "d:1", 300, 100),  # a second step: its own launch
+        _x("cuda_runtime", "cudaGraphLaunch", 310, 5, corr=9),
+        _x("kernel", "score", 320, 31, corr=9),
+        _x("kernel", "other process", 50, 5, corr=99),  # launched by no step's call
+        {"ph": "i", "cat": "overhead", "name": "marker", "ts": 0},
+    ]}  # fmt: skip
+    first, second = tl.steps_of(trace, "d")
+    assert (first["wall_us"], first["build_us"], first["eval_us"]) == (200, 40, 150)
+    assert [k for k, _ in first["kernels"]] == ["score", "attend"]
+    assert first["gpu_busy_us"] == 42 and first["gpu_span_us"] == 43  # 70 .. 113
+    assert first["first_launch_after_us"] == 70
+    assert first["last_kernel_end_before_us"] == 200 - 113  # the wake-up and what follows it
+    assert first["api"] == {"cudaEventSynchronize": (1, 110), "cudaGraphLaunch": (1, 8)}
+    assert second["kernels"] == [("score", 31)] and second["build_us"] == 0.0
+    med = tl.median_row([first, second])
+    assert med["wall_us"] == 150 and med["gpu_span_us"] == pytest.approx(37)
+    assert med["api_median_us"]["cudaGraphLaunch"] == 6.5
+
+
+def _doc(timings: dict[str, float]) -> dict:
+    return {
+        "points": [
+            {"prefix": 32768, "rows": 2048,
+             "timings": {k: {"median_us": v} for k, v in timings.items()}}
+        ]
+    }  # fmt: skip
+
+
+def test_prefill_table_sets_torchs_events_against_both_of_our_clocks():
+    sm = _script("summarize")
+    table = sm.prefill_table(_doc({
+        "qsa_cuda_selection_attention": 2570.0, "qsa_cuda_selection_attention_gpu": 2040.0,
+        "qsa_cuda_layer": 3670.0, "qsa_cuda_layer_gpu": 2570.0,
+        "qsa_portable_layer": 61710.0, "torch_dense_causal_sdpa": 5290.0,
+    }))  # fmt: skip
+    row = table.splitlines()[2]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:2] == ["32K", "2048"]
+    assert cells[2:8] == ["2.57", "2.04", "3.67", "2.57", "61.71", "5.29"]
+    assert cells[8] == "2.59 / 2.06" and cells[9] == "2.06 / 1.44"
+    # an older document without the GPU-clock entries
+    old = sm.prefill_table(_doc({
+        "qsa_cuda_selection_attention": 2490.0, "qsa_cuda_layer": 3730.0,
+        "qsa_portable_layer": 62290.0, "torch_dense_causal_sdpa": 5420.0,
+    }))  # fmt: skip
+    cells = [c.strip() for c in old.splitlines()[2].strip("|").split("|")]
+    assert cells[3] == "–" and cells[8] == "– / 2.18"
