@@ -53,8 +53,10 @@ def decode_table(doc: dict) -> str:
 
 
 def prefill_table(doc: dict) -> str:
-    """One row per prefix, ms. The `_gpu` entries (documents from 2026-12-07 on) are queued
-    passes on the GPU's clock, like torch's events; the others take one `mx.eval` per step."""
+    """One row per prefix, ms. Ratios compare like with like: our `_gpu` entries (queued passes
+    on the GPU's clock, documents from 2026-12-07 on) against torch's CUDA events, our
+    `mx.eval`-per-step entries against torch's synchronize-per-step wall clock
+    (`torch_dense_causal_sdpa_sync`, from the same date); – where a document lacks an entry."""
     cols = [
         ("qsa_cuda_selection_attention", "CUDA sel + attn"),
         ("qsa_cuda_selection_attention_gpu", "CUDA sel + attn, GPU clock"),
@@ -62,6 +64,7 @@ def prefill_table(doc: dict) -> str:
         ("qsa_cuda_layer_gpu", "CUDA layer, GPU clock"),
         ("qsa_portable_layer", "portable layer"),
         ("torch_dense_causal_sdpa", "torch dense causal (events)"),
+        ("torch_dense_causal_sdpa_sync", "torch, synchronized"),
     ]
     head = "| prefix | rows | " + " | ".join(c[1] for c in cols)
     head += " | torch ÷ sel + attn (GPU clock / eval) | torch ÷ layer (GPU clock / eval) |"
@@ -69,9 +72,9 @@ def prefill_table(doc: dict) -> str:
     for p in doc["points"]:
         t = p["timings"]
         ms = [f"{t[c]['median_us'] / 1e3:.2f}" if c in t else "–" for c, _ in cols]
-        torch = "torch_dense_causal_sdpa"
-        sel = f"{_ratio(t, torch, cols[1][0])} / {_ratio(t, torch, cols[0][0])}"
-        lay = f"{_ratio(t, torch, cols[3][0])} / {_ratio(t, torch, cols[2][0])}"
+        ev, sy = cols[5][0], cols[6][0]
+        sel = f"{_ratio(t, ev, cols[1][0])} / {_ratio(t, sy, cols[0][0])}"
+        lay = f"{_ratio(t, ev, cols[3][0])} / {_ratio(t, sy, cols[2][0])}"
         lines.append(
             f"| {p['prefix'] // 1024}K | {p['rows']} | " + " | ".join(ms) + f" | {sel} | {lay} |"
         )

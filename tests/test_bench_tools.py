@@ -63,22 +63,24 @@ def _doc(timings: dict[str, float]) -> dict:
     }  # fmt: skip
 
 
-def test_prefill_table_sets_torchs_events_against_both_of_our_clocks():
+def test_prefill_table_compares_like_with_like():
     sm = _script("summarize")
     table = sm.prefill_table(_doc({
         "qsa_cuda_selection_attention": 2570.0, "qsa_cuda_selection_attention_gpu": 2040.0,
         "qsa_cuda_layer": 3670.0, "qsa_cuda_layer_gpu": 2570.0,
         "qsa_portable_layer": 61710.0, "torch_dense_causal_sdpa": 5290.0,
+        "torch_dense_causal_sdpa_sync": 5780.0,
     }))  # fmt: skip
     row = table.splitlines()[2]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:2] == ["32K", "2048"]
-    assert cells[2:8] == ["2.57", "2.04", "3.67", "2.57", "61.71", "5.29"]
-    assert cells[8] == "2.59 / 2.06" and cells[9] == "2.06 / 1.44"
-    # an older document without the GPU-clock entries
+    assert cells[2:9] == ["2.57", "2.04", "3.67", "2.57", "61.71", "5.29", "5.78"]
+    # events against our GPU clock, synchronized torch against our eval per step
+    assert cells[9] == "2.59 / 2.25" and cells[10] == "2.06 / 1.57"
+    # an older document: neither GPU-clock entries nor torch synchronized
     old = sm.prefill_table(_doc({
         "qsa_cuda_selection_attention": 2490.0, "qsa_cuda_layer": 3730.0,
         "qsa_portable_layer": 62290.0, "torch_dense_causal_sdpa": 5420.0,
     }))  # fmt: skip
     cells = [c.strip() for c in old.splitlines()[2].strip("|").split("|")]
-    assert cells[3] == "–" and cells[8] == "– / 2.18"
+    assert cells[3] == "–" and cells[8] == "–" and cells[9] == "– / –"

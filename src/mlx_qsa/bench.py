@@ -739,6 +739,8 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         torch = _torch_cuda() if not args.no_torch else None
         if torch is not None:
             passes["torch_dense_causal_sdpa"] = _torch_prefill(cfg, T, S, args)
+            # wall clock with a synchronize per step: the peer of our eval-per-step entries
+            passes["torch_dense_causal_sdpa_sync"] = _torch_prefill(cfg, T, S, args, sync=True)
             rec["flops"]["dense_causal_attention"] = (
                 4 * cfg.num_attention_heads * cfg.head_dim * (S * P + S * (S + 1) // 2)
             )
@@ -748,10 +750,9 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         t.update(time_in_turns(passes, args.warmup, args.repeats, args.settle))
         for name, names in consumers.items():
             t[name]["consumers"] = names
-        if "torch_dense_causal_sdpa" in t:
-            t["torch_dense_causal_sdpa"]["note"] = (
-                "K/V expanded to 24 heads; lower-right causal mask"
-            )
+        for name in ("torch_dense_causal_sdpa", "torch_dense_causal_sdpa_sync"):
+            if name in t:
+                t[name]["note"] = "K/V expanded to 24 heads; lower-right causal mask"
         del sets, passes
         points.append(rec)
         _progress_prefill(rec)
@@ -862,9 +863,14 @@ def matmul_ceiling(n: int, repeats: int = 5) -> dict[str, Any]:
     return {"n": n, "tflops": 2 * n**3 / best / 1e12}
 
 
-def _torch_prefill(cfg: QSAConfig, T: int, S: int, args: argparse.Namespace) -> Callable[[], float]:
-    """torch's dense causal SDPA over the chunk's context, as a pass over its own sets."""
-    return torch_causal_pass(cfg.num_attention_heads, cfg.head_dim, S, T, args.sets, cfg.scale)
+def _torch_prefill(
+    cfg: QSAConfig, T: int, S: int, args: argparse.Namespace, sync: bool = False
+) -> Callable[[], float]:
+    """torch's dense causal SDPA over the chunk's context, as a pass over its own sets: CUDA
+    events around the queued pass, or (`sync`) wall clock with a synchronize per step."""
+    return torch_causal_pass(
+        cfg.num_attention_heads, cfg.head_dim, S, T, args.sets, cfg.scale, sync_each=sync
+    )
 
 
 def torch_causal_pass(
@@ -901,7 +907,8 @@ def prefill_rates(doc_body: dict[str, Any]) -> None:
         f = p["flops"]
         rates = {}
         for name, t in p["timings"].items():
-            work = name.removesuffix("_gpu")  # a GPU-clock entry does its entry's work
+            # a GPU-clock entry (ours) or a synchronized one (torch's) does its entry's work
+            work = name.removesuffix("_gpu").removesuffix("_sync")
             if work.endswith("_selection"):
                 flops = f["indexer"]
             elif work.endswith("_selection_attention"):  # before "_attention", which it ends in
