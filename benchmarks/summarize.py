@@ -25,6 +25,7 @@ def decode_table(doc: dict) -> str:
         ("qsa_cuda", "CUDA"),
         ("qsa_cuda_async", "CUDA, queued"),
         ("qsa_cuda_gpu", "CUDA, GPU clock"),
+        ("qsa_cuda_spin", "CUDA, spin wait"),
         ("qsa_portable", "portable"),
         ("mlx_gather_sdpa", "MLX gather+SDPA"),
         ("mlx_dense_sdpa", "MLX dense SDPA"),
@@ -33,9 +34,9 @@ def decode_table(doc: dict) -> str:
         ("qsa_cuda_layer", "CUDA layer"),
     ]
     head = "| context | rows | " + " | ".join(c[1] for c in cols) + " | floor |"
-    head += " torch ÷ CUDA | queued: torch ÷ CUDA | GPU clock: torch ÷ CUDA | gather+SDPA ÷ CUDA |"
-    head += " CUDA ÷ floor |"
-    lines = [head, "|" + "---|" * (len(cols) + 8)]
+    head += " torch ÷ CUDA | queued: torch ÷ CUDA | GPU clock: torch ÷ CUDA |"
+    head += " spin wait: torch ÷ CUDA | gather+SDPA ÷ CUDA | CUDA ÷ floor |"
+    lines = [head, "|" + "---|" * (len(cols) + 9)]
     for p in doc["points"]:
         t = p["timings"]
         us = [f"{t[c]['median_us']:.0f}" if c in t else "–" for c, _ in cols]
@@ -47,6 +48,7 @@ def decode_table(doc: dict) -> str:
             + f" | {fl:.1f} | {_ratio(t, 'torch_dense_sdpa_sync', 'qsa_cuda')} | "
             + f"{_ratio(t, 'torch_dense_sdpa', 'qsa_cuda_async')} | "
             + f"{_ratio(t, 'torch_dense_sdpa', 'qsa_cuda_gpu')} | "
+            + f"{_ratio(t, 'torch_dense_sdpa_sync', 'qsa_cuda_spin')} | "
             + f"{_ratio(t, 'mlx_gather_sdpa', 'qsa_cuda')} | {ours / fl:.0f} |"
         )
     return "\n".join(lines)
@@ -55,11 +57,14 @@ def decode_table(doc: dict) -> str:
 def prefill_table(doc: dict) -> str:
     """One row per prefix, ms. Ratios compare like with like: our `_gpu` entries (queued passes
     on the GPU's clock, documents from 2026-12-07 on) against torch's CUDA events, our
-    `mx.eval`-per-step entries against torch's synchronize-per-step wall clock
-    (`torch_dense_causal_sdpa_sync`, from the same date); – where a document lacks an entry."""
+    `mx.eval`-per-step entries and its `_spin` one (a step at a time, waited for by
+    `mx.synchronize`, which spins as torch's synchronize does) against torch's
+    synchronize-per-step wall clock (`torch_dense_causal_sdpa_sync`, from the same date); –
+    where a document lacks an entry."""
     cols = [
         ("qsa_cuda_selection_attention", "CUDA sel + attn"),
         ("qsa_cuda_selection_attention_gpu", "CUDA sel + attn, GPU clock"),
+        ("qsa_cuda_selection_attention_spin", "CUDA sel + attn, spin wait"),
         ("qsa_cuda_layer", "CUDA layer"),
         ("qsa_cuda_layer_gpu", "CUDA layer, GPU clock"),
         ("qsa_portable_layer", "portable layer"),
@@ -67,14 +72,15 @@ def prefill_table(doc: dict) -> str:
         ("torch_dense_causal_sdpa_sync", "torch, synchronized"),
     ]
     head = "| prefix | rows | " + " | ".join(c[1] for c in cols)
-    head += " | torch ÷ sel + attn (GPU clock / eval) | torch ÷ layer (GPU clock / eval) |"
+    head += " | torch ÷ sel + attn (GPU clock / eval / spin wait)"
+    head += " | torch ÷ layer (GPU clock / eval) |"
     lines = [head, "|" + "---|" * (len(cols) + 4)]
     for p in doc["points"]:
         t = p["timings"]
         ms = [f"{t[c]['median_us'] / 1e3:.2f}" if c in t else "–" for c, _ in cols]
-        ev, sy = cols[5][0], cols[6][0]
-        sel = f"{_ratio(t, ev, cols[1][0])} / {_ratio(t, sy, cols[0][0])}"
-        lay = f"{_ratio(t, ev, cols[3][0])} / {_ratio(t, sy, cols[2][0])}"
+        ev, sy = cols[6][0], cols[7][0]
+        sel = " / ".join(_ratio(t, peer, cols[i][0]) for peer, i in ((ev, 1), (sy, 0), (sy, 2)))
+        lay = f"{_ratio(t, ev, cols[4][0])} / {_ratio(t, sy, cols[3][0])}"
         lines.append(
             f"| {p['prefix'] // 1024}K | {p['rows']} | " + " | ".join(ms) + f" | {sel} | {lay} |"
         )

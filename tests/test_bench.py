@@ -55,8 +55,9 @@ def test_decode_document(tmp_path, turns) -> None:
     doc = json.loads(out.read_text())
     # every entry of a point in one rotation, after the warm-up passes and the settle time
     cuda = mx.cuda.is_available()
+    modes = {"cuda": ("", "_async", "_gpu", "_spin"), "portable": ("", "_async")}
     names = [f"qsa_{i}{m}" for i in (("cuda", "portable") if cuda else ("portable",))
-             for m in (("", "_async", "_gpu") if i == "cuda" else ("", "_async"))]  # fmt: skip
+             for m in modes[i]]  # fmt: skip
     names += ["mlx_gather_sdpa", "mlx_gather_sdpa_async", "mlx_dense_sdpa"]
     names += [f"qsa_{i}_layer{m}" for i in (("cuda", "portable") if cuda else ("portable",))
               for m in ("", "_async")]  # fmt: skip
@@ -114,6 +115,9 @@ def test_decode_document(tmp_path, turns) -> None:
             assert p["ratios"]["torch_dense_sdpa/qsa_cuda_gpu"] == pytest.approx(
                 t["torch_dense_sdpa"]["median_us"] / t["qsa_cuda_gpu"]["median_us"]
             )
+            assert p["ratios"]["torch_dense_sdpa_sync/qsa_cuda_spin"] == pytest.approx(
+                t["torch_dense_sdpa_sync"]["median_us"] / t["qsa_cuda_spin"]["median_us"]
+            )
         prim = p["primitives"]
         for name in ("qsa_portable", "qsa_portable_layer"):
             assert prim[name]["total"] == sum(prim[name]["by_kind"].values()) > 0
@@ -135,7 +139,7 @@ def test_prefill_document(tmp_path, turns) -> None:
     impls = ("cuda", "portable") if mx.cuda.is_available() else ("portable",)
     ((entries, rounds, warm, settle),) = turns  # the point's entries in one rotation
     # on CUDA each of its parts also on the GPU's clock (`_gpu`)
-    gpu = {"cuda": [f"{k}_gpu" for k in parts[:3]], "portable": []}
+    gpu = {"cuda": [f"{k}_gpu" for k in parts[:3]] + ["selection_attention_spin"], "portable": []}
     ours = [
         f"qsa_{i}_{k}" for i in impls for k in [*parts[:3], *gpu[i], "layer"]
         + (["layer_gpu"] if i == "cuda" else [])
@@ -198,6 +202,9 @@ def test_mlx_pass_evaluates_each_step_or_queues_them(monkeypatch) -> None:
     log.clear()
     bench.mlx_pass(step, 2, sync_each=False)()
     assert log == ["sync", 0, "async_eval", 1, "async_eval", "sync"]  # queued, one sync
+    log.clear()
+    bench.mlx_pass(step, 2, spin=True)()  # a step at a time, waited for by synchronize
+    assert log == ["sync", 0, "async_eval", "sync", 1, "async_eval", "sync", "sync"]
 
 
 def test_mlx_gpu_pass_spans_the_queued_steps_between_two_stamps() -> None:

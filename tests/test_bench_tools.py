@@ -67,6 +67,7 @@ def test_prefill_table_compares_like_with_like():
     sm = _script("summarize")
     table = sm.prefill_table(_doc({
         "qsa_cuda_selection_attention": 2570.0, "qsa_cuda_selection_attention_gpu": 2040.0,
+        "qsa_cuda_selection_attention_spin": 2312.0,
         "qsa_cuda_layer": 3670.0, "qsa_cuda_layer_gpu": 2570.0,
         "qsa_portable_layer": 61710.0, "torch_dense_causal_sdpa": 5290.0,
         "torch_dense_causal_sdpa_sync": 5780.0,
@@ -74,13 +75,13 @@ def test_prefill_table_compares_like_with_like():
     row = table.splitlines()[2]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:2] == ["32K", "2048"]
-    assert cells[2:9] == ["2.57", "2.04", "3.67", "2.57", "61.71", "5.29", "5.78"]
-    # events against our GPU clock, synchronized torch against our eval per step
-    assert cells[9] == "2.59 / 2.25" and cells[10] == "2.06 / 1.57"
+    assert cells[2:10] == ["2.57", "2.04", "2.31", "3.67", "2.57", "61.71", "5.29", "5.78"]
+    # events against our GPU clock, synchronized torch against our eval and spin-wait steps
+    assert cells[10] == "2.59 / 2.25 / 2.50" and cells[11] == "2.06 / 1.57"
     # an older document: neither GPU-clock entries nor torch synchronized
     old = sm.prefill_table(_doc({
         "qsa_cuda_selection_attention": 2490.0, "qsa_cuda_layer": 3730.0,
         "qsa_portable_layer": 62290.0, "torch_dense_causal_sdpa": 5420.0,
     }))  # fmt: skip
     cells = [c.strip() for c in old.splitlines()[2].strip("|").split("|")]
-    assert cells[3] == "–" and cells[8] == "–" and cells[9] == "– / –"
+    assert cells[3] == cells[4] == cells[9] == "–" and cells[10] == "– / – / –"

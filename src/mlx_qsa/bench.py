@@ -80,19 +80,26 @@ def summary(samples_us: list[float]) -> dict[str, Any]:
 
 
 def mlx_pass(
-    step: Callable[[int], Any], n_sets: int, sync_each: bool = True
+    step: Callable[[int], Any], n_sets: int, sync_each: bool = True, spin: bool = False
 ) -> Callable[[], float]:
     """One sample of an MLX entry: a pass over the sets, µs per step.
 
     `sync_each`: each step ends in `mx.eval` (host round trip included); otherwise steps are
-    queued with `mx.async_eval` and the pass ends in one `mx.synchronize`."""
+    queued with `mx.async_eval` and the pass ends in one `mx.synchronize`. `spin`: each step
+    ends in `mx.async_eval` and `mx.synchronize` instead of `mx.eval`: on CUDA that waits in
+    `cudaStreamSynchronize`, which spins, where `mx.eval` sleeps on a blocking event (MLX 0.32's
+    `event.cu` and `eval.cpp`; the wake-up took 40-420 µs on the lent hosts)."""
 
     def one_pass() -> float:
         mx.synchronize()  # nothing of the previous entry runs into this one
         t0 = time.perf_counter()
         for i in range(n_sets):
             out = step(i)
-            mx.eval(out) if sync_each else mx.async_eval(out)
+            if spin:
+                mx.async_eval(out)
+                mx.synchronize()
+            else:
+                mx.eval(out) if sync_each else mx.async_eval(out)
         mx.synchronize()
         return (time.perf_counter() - t0) / n_sets * 1e6
 
@@ -582,6 +589,8 @@ def bench_decode_point(
         passes[f"qsa_{impl}_async"] = mlx_pass(step, n, sync_each=False)
         if impl == "cuda":  # queued, on the GPU's clock (torch's events' counterpart)
             passes[f"qsa_{impl}_gpu"] = mlx_gpu_pass(step, n)
+            # a step at a time, waited for by a spinning synchronize, as torch's sync entry
+            passes[f"qsa_{impl}_spin"] = mlx_pass(step, n, spin=True)
 
     def gather_step(i: int) -> mx.array:
         return mlx_gather_sdpa(sets[i], *gathers[i], scale)
@@ -637,7 +646,8 @@ def ratios(rec: dict[str, Any]) -> dict[str, float]:
     """Peer median / ours (> 1: ours faster), and ours over the floor. Besides every entry
     over ours with a host round trip per step, the queued peers over ours queued (torch's
     `torch_dense_sdpa` is queued: CUDA events around the steps), so each mode has a ratio of
-    like against like; torch's events also against our GPU-clock entry (`mlx_gpu_pass`)."""
+    like against like; torch's events also against our GPU-clock entry (`mlx_gpu_pass`), torch's
+    synchronized steps against ours waited for by `mx.synchronize` (`_spin`)."""
     t = rec["timings"]
     ours = "qsa_cuda" if "qsa_cuda" in t else "qsa_portable"
     m = t[ours]["median_us"]
@@ -650,6 +660,11 @@ def ratios(rec: dict[str, Any]) -> dict[str, float]:
     gpu = f"{ours}_gpu"  # queued on the GPU's clock: torch's events against our stamps
     if gpu in t and "torch_dense_sdpa" in t:
         out[f"torch_dense_sdpa/{gpu}"] = t["torch_dense_sdpa"]["median_us"] / t[gpu]["median_us"]
+    spin = f"{ours}_spin"  # a step at a time, both sides waiting in a spinning synchronize
+    if spin in t and "torch_dense_sdpa_sync" in t:
+        out[f"torch_dense_sdpa_sync/{spin}"] = (
+            t["torch_dense_sdpa_sync"]["median_us"] / t[spin]["median_us"]
+        )
     out[f"{ours}/floor"] = m / rec["floor"]["us"]
     return out
 
@@ -834,6 +849,8 @@ def prefill_components(
     passes = {k: mlx_pass(f, n) for k, f in steps.items()}
     if impl == "cuda":  # also on the GPU's clock, as torch's events time its peer
         passes.update({f"{k}_gpu": mlx_gpu_pass(f, n) for k, f in steps.items()})
+        # and a step at a time with a spinning wait, as torch's synchronized peer
+        passes["selection_attention_spin"] = mlx_pass(steps["selection_attention"], n, spin=True)
     return passes, list(cplan.consumers), (sels[0], attend(sets[0], sels[0]))
 
 
@@ -908,7 +925,7 @@ def prefill_rates(doc_body: dict[str, Any]) -> None:
         rates = {}
         for name, t in p["timings"].items():
             # a GPU-clock entry (ours) or a synchronized one (torch's) does its entry's work
-            work = name.removesuffix("_gpu").removesuffix("_sync")
+            work = name.removesuffix("_gpu").removesuffix("_sync").removesuffix("_spin")
             if work.endswith("_selection"):
                 flops = f["indexer"]
             elif work.endswith("_selection_attention"):  # before "_attention", which it ends in
