@@ -8,7 +8,9 @@ splits each step into: Python graph build, `mx.eval`, the CUDA API calls made in
 name: count and µs), the kernels the step ran (device µs each) and the GPU's idle time within
 the step.
 
-    python3 benchmarks/timeline.py OUT [--steps 8] [--sets 8] [--only decode,layer,prefill]
+    python3 benchmarks/timeline.py OUT [--steps 8] [--sets 8] [--only decode,spin,layer,prefill]
+
+`spin` is the decode step waited for by `mx.async_eval` + `mx.synchronize` instead of `mx.eval`.
 
 OUT/<case>.json.gz is each case's Chrome trace (chrome://tracing, Perfetto); OUT/timeline.json
 the per-step split; the table printed last is its median over the steps.
@@ -100,21 +102,28 @@ def profile_case(
     return steps_of(trace, name)
 
 
-def annotated(build: Callable[[int], Any]) -> Callable[[int], None]:
+def annotated(build: Callable[[int], Any], spin: bool = False) -> Callable[[int], None]:
+    """The step with its build and its wait annotated; `spin`: the wait is `mx.async_eval` +
+    `mx.synchronize` (a spinning `cudaStreamSynchronize`) instead of `mx.eval`'s blocking event
+    (the "eval" range covers either)."""
     from torch.profiler import record_function
 
     def step(i: int) -> None:
         with record_function("build"):
             y = build(i)
         with record_function("eval"):
-            mx.eval(y)
+            if spin:
+                mx.async_eval(y)
+                mx.synchronize()
+            else:
+                mx.eval(y)
 
     return step
 
 
-def decode_case(cfg: QSAConfig, T: int, n: int) -> Callable[[int], None]:
+def decode_case(cfg: QSAConfig, T: int, n: int, spin: bool = False) -> Callable[[int], None]:
     sets = [bench.DecodeSet(cfg, T, 1, seed=i) for i in range(n)]
-    return annotated(lambda i: bench.qsa_step(cfg, sets[i], "cuda")[0])
+    return annotated(lambda i: bench.qsa_step(cfg, sets[i], "cuda")[0], spin)
 
 
 def layer_case(cfg: QSAConfig, T: int, n: int) -> Callable[[int], None]:
@@ -185,7 +194,7 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sets", type=int, default=8)
-    ap.add_argument("--only", default="decode,layer,prefill")
+    ap.add_argument("--only", default="decode,spin,layer,prefill")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     cfg = QSAConfig()
@@ -193,6 +202,8 @@ def main() -> int:
     cases: dict[str, Callable[[int], None]] = {}
     if "decode" in which:
         cases["decode_128k"] = decode_case(cfg, 131072, a.sets)
+    if "spin" in which:  # the same step waited for by a spinning synchronize
+        cases["decode_128k_spin"] = decode_case(cfg, 131072, a.sets, spin=True)
     if "layer" in which:
         cases["layer_128k"] = layer_case(cfg, 131072, a.sets)
     if "prefill" in which:
