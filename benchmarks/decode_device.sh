@@ -29,7 +29,8 @@
 #          benchmarks/sdpa_ab.py (kernel vs MLX's SDPA vs torch; sdpaquick: its 2048-row points)
 #          and benchmarks/sdpa_layer_ab.py (the whole layer, kernel on and off); sdpatests: the
 #          tests only
-# selsweep: the prefill score producer's GB and the top-k's NT, in turns (select_sweep.py)
+# selsweep: the prefill score producer's warps (and GB: SELSWEEP_ARGS="--gbs 2,8") and the
+#          top-k's threads and candidate room, in turns (select_sweep.py)
 # stamptest: the GPU timer stamp (test_cuda_stamp.py) and the bench document tests
 # timeline: benchmarks/timeline.py (CUPTI timeline of decode and prefill steps; TIMELINE_ARGS)
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples

@@ -71,43 +71,34 @@ def measure(cfg: QSAConfig, P: int, a: argparse.Namespace) -> dict:
             for j, (r0, r1) in enumerate(pieces)
         ]
 
-    def selection(i: int) -> list[np.ndarray]:
-        out = top_k(i, produce(i))
-        mx.eval(out)
-        return [np.array(mx.concatenate([p[f] for p in out])) for f in range(3)]
+    def joined(parts: list) -> list[np.ndarray]:
+        """ids, valid, scores of the whole chunk from its pieces' top-k outputs."""
+        return [np.array(mx.concatenate([p[f] for p in parts])) for f in range(3)]
+
+    def same_as_base(parts_of: Callable[[int], list]) -> bool:
+        return all(
+            all(np.array_equal(x, y) for x, y in zip(joined(parts_of(i)), base[i], strict=True))
+            for i in range(a.sets)
+        )
 
     use(nw0, None)
-    base = [selection(i) for i in range(a.sets)]
+    base = [joined(top_k(i, produce(i))) for i in range(a.sets)]
     planes = [produce(i) for i in range(a.sets)]
     mx.eval(planes)
     passes: dict[str, Callable[[], float]] = {}
     same: dict[str, bool] = {}
-    for nw in NWS:
-        use(nw, None)
-        same[f"score_nw{nw}"] = all(
-            all(np.array_equal(x, y) for x, y in zip(selection(i), base[i], strict=True))
-            for i in range(a.sets)
-        )
+    # the producer: its warps, then (--gbs) its key tiles per CTA with the default warps
+    producers = [(f"score_nw{nw}", nw, None) for nw in NWS]
+    producers += [(f"score_gb{gb}", nw0, gb) for gb in a.gbs]
+    for name, nw, gb in producers:
+        use(nw, None, gb)
+        same[name] = same_as_base(lambda i: top_k(i, produce(i)))
         one = bench.mlx_gpu_pass(lambda i: [p[0] for p in produce(i)], a.sets)
-        passes[f"score_nw{nw}"] = lambda one=one, nw=nw: (use(nw, None), one())[1]
-    for gb in a.gbs:  # key tiles per CTA, with the default warps
-        use(nw0, None, gb)
-        same[f"score_gb{gb}"] = all(
-            all(np.array_equal(x, y) for x, y in zip(selection(i), base[i], strict=True))
-            for i in range(a.sets)
-        )
-        one = bench.mlx_gpu_pass(lambda i: [p[0] for p in produce(i)], a.sets)
-        passes[f"score_gb{gb}"] = lambda one=one, gb=gb: (use(nw0, None, gb), one())[1]
-    for shape in TOPKS:
+        passes[name] = lambda one=one, nw=nw, gb=gb: (use(nw, None, gb), one())[1]
+    for shape in TOPKS:  # the top-k on the default producer's planes
         use(nw0, shape)
         name = f"topk_nt{shape[0]}_cap{shape[1]}"
-        same[name] = all(
-            all(
-                np.array_equal(np.array(mx.concatenate([p[f] for p in top_k(i, planes[i])])), b)
-                for f, b in enumerate(base[i])
-            )
-            for i in range(a.sets)
-        )
+        same[name] = same_as_base(lambda i: top_k(i, planes[i]))
         one = bench.mlx_gpu_pass(lambda i: [p[0] for p in top_k(i, planes[i])], a.sets)
         passes[name] = lambda one=one, shape=shape: (use(nw0, shape), one())[1]
     samples = take_turns(passes, a.repeats, warm_rounds=1, settle_s=a.settle)

@@ -30,9 +30,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_qsa import bench, plan
+from mlx_qsa import bench
 from mlx_qsa.config import QSAConfig, QSAOptions
-from mlx_qsa.indexer import Selection, select_rows
 from mlx_qsa.layer import QSAAttention
 
 
@@ -63,15 +62,15 @@ def steps_of(trace: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
                 ks += kern.get(e["args"].get("correlation"), [])
         ks.sort(key=lambda k: k["ts"])
         busy = sum(k["dur"] for k in ks)  # graph nodes may overlap: busy can exceed the span
-        span = (max(k["ts"] + k["dur"] for k in ks) - ks[0]["ts"]) if ks else 0.0
+        end = max((k["ts"] + k["dur"] for k in ks), default=None)
         out.append({
             "wall_us": a["dur"],
             "build_us": inner.get("build", 0.0),
             "eval_us": inner.get("eval", 0.0),
             "first_launch_after_us": (ks[0]["ts"] - t0) if ks else None,
-            "last_kernel_end_before_us": (t1 - max(k["ts"] + k["dur"] for k in ks)) if ks else None,
+            "last_kernel_end_before_us": (t1 - end) if ks else None,
             "gpu_busy_us": busy,
-            "gpu_span_us": span,
+            "gpu_span_us": (end - ks[0]["ts"]) if ks else 0.0,
             "kernels": [(k["name"][:60], round(k["dur"], 2)) for k in ks],
             "api": {n: (len(v), round(sum(v), 2)) for n, v in sorted(calls.items())},
         })  # fmt: skip
@@ -137,42 +136,14 @@ def layer_case(cfg: QSAConfig, T: int, n: int) -> Callable[[int], None]:
 
 
 def prefill_cases(cfg: QSAConfig, P: int, n: int) -> dict[str, Callable[[int], None]]:
+    """The bench's prefill selection and attention steps (`bench.prefill_steps`, CUDA) of a
+    2048-row chunk after P tokens."""
     S = 2048
-    r, K = cfg.indexer_compress_ratio, cfg.block_topk
     sets = [bench.DecodeSet(cfg, P + S, S, seed=i) for i in range(n)]
-    caps = plan.Capabilities.reference()
-    producer = plan.prefill_score_producer(caps, "bfloat16", "bfloat16")
-    cap = sets[0].pooled.shape[1]
-    chunk = plan.selector_chunk_rows("prefill_blocks", S, cap, producer=producer)
-
-    def select(i: int) -> Selection:
-        s = sets[i]
-        ids, valid, scores = select_rows(
-            s.index_q, None, None, s.positions, r, K, chunk, s.pooled, "cuda"
-        )
-        return Selection("prefill_blocks", ids=ids, valid=valid, scores=scores)
-
-    sels = [select(i) for i in range(n)]
-    mx.eval([(x.ids, x.valid, x.scores) for x in sels])
-    call = plan.CallShape(S, P, r, K)
-    contract = plan.prefill_flash_contract(
-        n_heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, block_topk=K, dtype="bfloat16", scale=cfg.scale,
-    )  # fmt: skip
-    cplan = plan.plan_consumers(
-        QSAOptions(), caps, call, "prefill_blocks", has_indexer=True,
-        prefill_flash_contract=contract,
-    )  # fmt: skip
-
-    def attend(i: int) -> mx.array:
-        s = sets[i]
-        return bench.dispatch(
-            cplan, s.q, s.keys, s.values, sels[i], s.positions, s.T, r, cfg.scale, "cuda"
-        )
-
+    steps, _, _ = bench.prefill_steps(cfg, sets, "cuda")
     return {
-        f"prefill_select_{P // 1024}k": annotated(lambda i: select(i).ids),
-        f"prefill_attend_{P // 1024}k": annotated(attend),
+        f"prefill_select_{P // 1024}k": annotated(steps["selection"]),
+        f"prefill_attend_{P // 1024}k": annotated(steps["attention"]),
     }
 
 
@@ -199,18 +170,18 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     cfg = QSAConfig()
     which = set(a.only.split(","))
-    cases: dict[str, Callable[[int], None]] = {}
+    cases: dict[str, tuple[Callable[[int], None], int]] = {}  # step, sets it rotates over
     if "decode" in which:
-        cases["decode_128k"] = decode_case(cfg, 131072, a.sets)
+        cases["decode_128k"] = decode_case(cfg, 131072, a.sets), a.sets
     if "spin" in which:  # the same step waited for by a spinning synchronize
-        cases["decode_128k_spin"] = decode_case(cfg, 131072, a.sets, spin=True)
+        cases["decode_128k_spin"] = decode_case(cfg, 131072, a.sets, spin=True), a.sets
     if "layer" in which:
-        cases["layer_128k"] = layer_case(cfg, 131072, a.sets)
+        cases["layer_128k"] = layer_case(cfg, 131072, a.sets), a.sets
     if "prefill" in which:
-        cases.update(prefill_cases(cfg, 32768, min(a.sets, 2)))
+        n = min(a.sets, 2)
+        cases.update({k: (f, n) for k, f in prefill_cases(cfg, 32768, n).items()})
     result = {}
-    for name, step in cases.items():
-        n = a.sets if not name.startswith("prefill") else min(a.sets, 2)
+    for name, (step, n) in cases.items():
         rows = profile_case(name, step, n, a.steps, a.out)
         result[name] = {"steps": rows, "median": median_row(rows)}
         (a.out / "timeline.json").write_text(json.dumps(result, indent=1))

@@ -800,13 +800,13 @@ def prefill_kv_bytes(cfg: QSAConfig, P: int, S: int) -> int:
     return _prefill_counts(cfg, P, S)[1] * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
 
 
-def prefill_components(
+def prefill_steps(
     cfg: QSAConfig, sets: list[DecodeSet], impl: str
-) -> tuple[dict[str, Callable[[], float]], list[str], tuple[Selection, mx.array]]:
+) -> tuple[dict[str, Callable[[int], mx.array]], list[str], tuple[Selection, mx.array]]:
     """Selection (scoring + exact top-k, RUNTIME §6.3 chunks) and attention (the routed
-    prefill consumer) of the chunk's rows, as passes to time apart and together; the
-    attention's consumers; set 0's selection and output (for the CUDA-against-portable
-    checks)."""
+    prefill consumer) of the chunk's rows on set i, apart and together (`selection`,
+    `attention` on selections made beforehand, `selection_attention`); the attention's
+    consumers; set 0's selection and output (for the CUDA-against-portable checks)."""
     r, K = cfg.indexer_compress_ratio, cfg.block_topk
     caps = plan.Capabilities.reference()
     S, P = sets[0].rows, sets[0].T - sets[0].rows
@@ -840,18 +840,27 @@ def prefill_components(
 
     sels = [select(s) for s in sets]
     mx.eval([(x.ids, x.valid) for x in sels])
-    n = len(sets)
     steps = {
         "selection": lambda i: select(sets[i]).ids,
         "attention": lambda i: attend(sets[i], sels[i]),
         "selection_attention": lambda i: attend(sets[i], select(sets[i])),
     }
+    return steps, list(cplan.consumers), (sels[0], attend(sets[0], sels[0]))
+
+
+def prefill_components(
+    cfg: QSAConfig, sets: list[DecodeSet], impl: str
+) -> tuple[dict[str, Callable[[], float]], list[str], tuple[Selection, mx.array]]:
+    """`prefill_steps` as passes to time in turns: an `mx.eval` per step, and on CUDA also on
+    the GPU's clock and with a spinning wait; the consumers and set 0's outputs as there."""
+    steps, consumers, outputs = prefill_steps(cfg, sets, impl)
+    n = len(sets)
     passes = {k: mlx_pass(f, n) for k, f in steps.items()}
     if impl == "cuda":  # also on the GPU's clock, as torch's events time its peer
         passes.update({f"{k}_gpu": mlx_gpu_pass(f, n) for k, f in steps.items()})
         # and a step at a time with a spinning wait, as torch's synchronized peer
         passes["selection_attention_spin"] = mlx_pass(steps["selection_attention"], n, spin=True)
-    return passes, list(cplan.consumers), (sels[0], attend(sets[0], sels[0]))
+    return passes, consumers, outputs
 
 
 def prefill_checks(
