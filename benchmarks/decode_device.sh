@@ -17,6 +17,8 @@
 #          PARTS_PREFIXES, default 32k,128k)
 # partsgraphs: the same with CUDA graphs on, then off (default prefix 32k)
 # ncuprefill: Nsight Compute sections of the prefill kernels (NCU_PREFIXES, default 32768 131072)
+# ncuproducer: the prefill score producer's per-instruction warp stalls (source page, SASS) and
+#          its sections, one launch at each of NCU_PREFIXES
 # tp1:     bench --tp 1 through mlx.launch --backend nccl (a group of one on this GPU)
 # decodeab: the 128K decode point three times in a row (run-to-run spread), distinct files
 # gate:    the fused output gate's GPU tests and the layer-step A/B (benchmarks/gate_ab.py)
@@ -174,6 +176,20 @@ PY
           python3 benchmarks/ncu_prefill.py $pre > "$OUT/ncu_prefill_$pre.txt" 2>&1
         echo "ncu prefill $pre rc $?"; grep -E "qsa_|Duration|DRAM Through|L2 Hit|Memory Through|Achieved Occ" \
           "$OUT/ncu_prefill_$pre.txt" | head -60
+      done ;;
+    ncuproducer)
+      for pre in ${NCU_PREFIXES:-32768 131072}; do
+        MLX_USE_CUDA_GRAPHS=0 timeout 150 "$NCU" --clock-control none --cache-control all \
+          -k regex:qsa_score -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+          --section Occupancy --section WarpStateStats --section InstructionStats \
+          python3 benchmarks/ncu_prefill.py $pre > "$OUT/ncu_producer_$pre.txt" 2>&1
+        MLX_USE_CUDA_GRAPHS=0 timeout 150 "$NCU" --clock-control none --cache-control all \
+          -k regex:qsa_score -c 1 --warp-sampling-interval 0 --section WarpStateStats \
+          --section SourceCounters --page source --print-source sass --csv \
+          python3 benchmarks/ncu_prefill.py $pre > "$OUT/ncu_producer_sass_$pre.csv" 2> "$OUT/ncu_producer_sass_$pre.err"
+        python3 benchmarks/ncu_sass_summary.py "$OUT/ncu_producer_sass_$pre.csv" 40 2>&1 \
+          | tee "$OUT/producer_sass_summary_$pre.txt" | head -50
+        xz -f "$OUT/ncu_producer_sass_$pre.csv"
       done ;;
     tp1)
       timeout 300 python3 -c 'import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = "mlx.launch"; main()' \

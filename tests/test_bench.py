@@ -303,3 +303,14 @@ def test_tp_over_the_ring_backend(tmp_path) -> None:
         assert p["rel_err_vs_unsharded"] <= bench.REL_TOL
         assert p["all_sum_bytes"] == p["rows"] * 2560 * 2
         assert p["step"]["median_us"] > 0 and p["all_sum"]["median_us"] > 0
+
+
+def test_release_device_memory_empties_mlx_buffer_cache() -> None:
+    # a freed buffer stays in MLX's cache until released; the prefill bench releases it after
+    # each point so that the next allocation (and torch's) finds the memory
+    a = mx.ones((1 << 20,), mx.float32)
+    mx.eval(a)
+    del a
+    assert mx.get_cache_memory() > 0
+    bench.release_device_memory()
+    assert mx.get_cache_memory() == 0

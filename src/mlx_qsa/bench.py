@@ -251,6 +251,19 @@ def time_mlx(
     return time_in_turns({"": mlx_pass(step, n_sets, sync_each)}, warmup, repeats)[""]
 
 
+def release_device_memory() -> None:
+    """Hand the memory of a finished point back: MLX's buffer cache and torch's caching
+    allocator each keep freed blocks, and together they left too little for the next
+    allocation (`copy_bandwidth` ran out of memory after the 128K prefill point, H100)."""
+    import gc
+
+    gc.collect()
+    mx.clear_cache()
+    torch = _torch_cuda()
+    if torch is not None:
+        torch.cuda.empty_cache()
+
+
 def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:
     """Device-to-device copy bandwidth (read + write bytes / time) of MLX, and torch's on CUDA."""
     n = nbytes // 2
@@ -768,7 +781,8 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         for name in ("torch_dense_causal_sdpa", "torch_dense_causal_sdpa_sync"):
             if name in t:
                 t[name]["note"] = "K/V expanded to 24 heads; lower-right causal mask"
-        del sets, passes
+        del sets, passes, caches, xs
+        release_device_memory()
         points.append(rec)
         _progress_prefill(rec)
     body: dict[str, Any] = {"matmul_ceiling": matmul_ceiling(args.ceiling_n), "points": points}
