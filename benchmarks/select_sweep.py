@@ -13,6 +13,7 @@ plane once. This times, on the GPU's clock (`bench.mlx_gpu_pass`) and in turns:
 and checks that every variant's selection (ids, valid, scores) is the default's, bit for bit.
 
     python3 benchmarks/select_sweep.py OUT.json [--prefixes 32k,128k] [--sets 4] [--repeats 5]
+        [--gbs 2,8] [--producers-only]
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def measure(cfg: QSAConfig, P: int, a: argparse.Namespace) -> dict:
         same[name] = same_as_base(lambda i: top_k(i, produce(i)))
         one = bench.mlx_gpu_pass(lambda i: [p[0] for p in produce(i)], a.sets)
         passes[name] = lambda one=one, nw=nw, gb=gb, ieee=ieee: (use(nw, None, gb, ieee), one())[1]
-    for shape in TOPKS:  # the top-k on the default producer's planes
+    for shape in () if a.producers_only else TOPKS:  # the top-k on the default producer's planes
         use(nw0, shape)
         name = f"topk_nt{shape[0]}_cap{shape[1]}"
         same[name] = same_as_base(lambda i: top_k(i, planes[i]))
@@ -126,6 +127,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--settle", type=float, default=1.0)
     p.add_argument("--gbs", type=bench._int_list, default=(), help="producer GB values, e.g. 2,8")
+    p.add_argument("--producers-only", action="store_true", help="no top-k forms")
     a = p.parse_args()
     cfg = QSAConfig()
     doc = {
