@@ -103,8 +103,8 @@ def profile_case(
 
 def annotated(build: Callable[[int], Any], spin: bool = False) -> Callable[[int], None]:
     """The step with its build and its wait annotated; `spin`: the wait is `mx.async_eval` +
-    `mx.synchronize` (a spinning `cudaStreamSynchronize`) instead of `mx.eval`'s blocking event
-    (the "eval" range covers either)."""
+    `mx.synchronize` (`cudaStreamSynchronize`, then MLX's worker-thread hand-off) instead of
+    `mx.eval`'s blocking event (the "eval" range covers either)."""
     from torch.profiler import record_function
 
     def step(i: int) -> None:
@@ -173,7 +173,7 @@ def main() -> int:
     cases: dict[str, tuple[Callable[[int], None], int]] = {}  # step, sets it rotates over
     if "decode" in which:
         cases["decode_128k"] = decode_case(cfg, 131072, a.sets), a.sets
-    if "spin" in which:  # the same step waited for by a spinning synchronize
+    if "spin" in which:  # the same step waited for by mx.synchronize
         cases["decode_128k_spin"] = decode_case(cfg, 131072, a.sets, spin=True), a.sets
     if "layer" in which:
         cases["layer_128k"] = layer_case(cfg, 131072, a.sets), a.sets

@@ -86,9 +86,12 @@ def mlx_pass(
 
     `sync_each`: each step ends in `mx.eval` (host round trip included); otherwise steps are
     queued with `mx.async_eval` and the pass ends in one `mx.synchronize`. `spin`: each step
-    ends in `mx.async_eval` and `mx.synchronize` instead of `mx.eval`: on CUDA that waits in
-    `cudaStreamSynchronize`, which spins, where `mx.eval` sleeps on a blocking event (MLX 0.32's
-    `event.cu` and `eval.cpp`; the wake-up took 40-420 µs on the lent hosts)."""
+    ends in `mx.async_eval` and `mx.synchronize` instead of `mx.eval`, where `mx.eval` sleeps on a
+    blocking event (MLX 0.32's `event.cu`; the wake-up took 40-420 µs on the lent hosts). MLX's
+    CUDA synchronize spins in `cudaStreamSynchronize` but then waits for a completion handler
+    that its worker thread runs (`device.cpp`), so it does not skip the wake-up: 33 µs less than
+    `mx.eval` at 128K decode, still ~115 µs after the last kernel (H100,
+    benchmarks/results/spin_2026-12-07)."""
 
     def one_pass() -> float:
         mx.synchronize()  # nothing of the previous entry runs into this one
@@ -602,7 +605,7 @@ def bench_decode_point(
         passes[f"qsa_{impl}_async"] = mlx_pass(step, n, sync_each=False)
         if impl == "cuda":  # queued, on the GPU's clock (torch's events' counterpart)
             passes[f"qsa_{impl}_gpu"] = mlx_gpu_pass(step, n)
-            # a step at a time, waited for by a spinning synchronize, as torch's sync entry
+            # a step at a time, waited for by mx.synchronize, as torch's sync entry
             passes[f"qsa_{impl}_spin"] = mlx_pass(step, n, spin=True)
 
     def gather_step(i: int) -> mx.array:
@@ -673,7 +676,7 @@ def ratios(rec: dict[str, Any]) -> dict[str, float]:
     gpu = f"{ours}_gpu"  # queued on the GPU's clock: torch's events against our stamps
     if gpu in t and "torch_dense_sdpa" in t:
         out[f"torch_dense_sdpa/{gpu}"] = t["torch_dense_sdpa"]["median_us"] / t[gpu]["median_us"]
-    spin = f"{ours}_spin"  # a step at a time, both sides waiting in a spinning synchronize
+    spin = f"{ours}_spin"  # a step at a time, both sides ending in their synchronize
     if spin in t and "torch_dense_sdpa_sync" in t:
         out[f"torch_dense_sdpa_sync/{spin}"] = (
             t["torch_dense_sdpa_sync"]["median_us"] / t[spin]["median_us"]
@@ -866,13 +869,13 @@ def prefill_components(
     cfg: QSAConfig, sets: list[DecodeSet], impl: str
 ) -> tuple[dict[str, Callable[[], float]], list[str], tuple[Selection, mx.array]]:
     """`prefill_steps` as passes to time in turns: an `mx.eval` per step, and on CUDA also on
-    the GPU's clock and with a spinning wait; the consumers and set 0's outputs as there."""
+    the GPU's clock and ending in `mx.synchronize`; the consumers and set 0's outputs as there."""
     steps, consumers, outputs = prefill_steps(cfg, sets, impl)
     n = len(sets)
     passes = {k: mlx_pass(f, n) for k, f in steps.items()}
     if impl == "cuda":  # also on the GPU's clock, as torch's events time its peer
         passes.update({f"{k}_gpu": mlx_gpu_pass(f, n) for k, f in steps.items()})
-        # and a step at a time with a spinning wait, as torch's synchronized peer
+        # and a step at a time ending in mx.synchronize, as torch's synchronized peer
         passes["selection_attention_spin"] = mlx_pass(steps["selection_attention"], n, spin=True)
     return passes, consumers, outputs
 
