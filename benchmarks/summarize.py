@@ -58,7 +58,8 @@ def prefill_table(doc: dict) -> str:
     """One row per prefix, ms. Ratios compare like with like: our `_gpu` entries (queued passes
     on the GPU's clock, documents from 2026-12-07 on) against torch's CUDA events, our
     `mx.eval`-per-step entries and its `_spin` one (a step at a time, waited for by
-    `mx.synchronize`, which spins as torch's synchronize does) against torch's
+    `mx.synchronize`, which spins in `cudaStreamSynchronize` but then still waits on MLX's worker
+    thread: benchmarks/results/spin_2026-12-07) against torch's
     synchronize-per-step wall clock (`torch_dense_causal_sdpa_sync`, from the same date); –
     where a document lacks an entry."""
     cols = [
