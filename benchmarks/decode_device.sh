@@ -33,6 +33,8 @@
 #          tests only
 # selsweep: the prefill score producer's warps (and GB: SELSWEEP_ARGS="--gbs 2,8") and the
 #          top-k's threads and candidate room, in turns (select_sweep.py)
+# divtests: the score division against __fdiv_rn over every float32 (test_cuda_exact_div.py),
+#          then the selector tests that compare scores and selections with the portable path
 # stamptest: the GPU timer stamp (test_cuda_stamp.py) and the bench document tests
 # timeline: benchmarks/timeline.py (CUPTI timeline of decode and prefill steps; TIMELINE_ARGS)
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
@@ -215,6 +217,12 @@ PY
     selsweep)  # the prefill selection kernels' launch shapes (benchmarks/select_sweep.py)
       timeout "${SELSWEEP_TIMEOUT:-300}" python3 benchmarks/select_sweep.py "$OUT/select_sweep_$GPU_TAG.json" \
         ${SELSWEEP_ARGS:-} 2>&1 | tee "$OUT/select_sweep.log" | tail -8
+      rc=$((rc | PIPESTATUS[0])) ;;
+    divtests)  # the score division (common.cuh div_sqrt128) and the selections it scores
+      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+        tests/test_cuda_exact_div.py tests/test_cuda_decode.py tests/test_cuda_prefill.py \
+        -k "exact_div or select or exact_dots or chunks or many_rows or scores_plane" 2>&1 \
+        | tee "$OUT/divtests.log" | tail -8
       rc=$((rc | PIPESTATUS[0])) ;;
     stamptest)  # the GPU timer stamp the bench's `_gpu` entries read
       timeout 200 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_stamp.py \

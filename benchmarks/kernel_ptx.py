@@ -126,6 +126,14 @@ JOBS = {
         "prefill_score.cu", "score", SEL_IN, SEL_OUT,
         [("RATIO", 4), ("L", 8), ("GB", 4), ("NW", 4)], "",
     ),
+    "prefill_score_fdiv": (  # the score's division as __fdiv_rn (select_sweep's A/B form)
+        "prefill_score.cu", "score", SEL_IN, SEL_OUT,
+        [("RATIO", 4), ("L", 8), ("GB", 4), ("NW", 8)], "#define QSA_IEEE_DIV\n",
+    ),
+    "exact_div": (
+        "exact_div.cu", "check", [("lo", "uint32_t")], [("bad", "uint32_t"), ("first", "uint32_t")],
+        [("PER", 64)], "",
+    ),
     "prefill_flash": (
         "prefill_flash.cu", "attend",
         [("q", BF), ("keys", BF), ("values", BF), ("ids", "int32_t"), ("valid", "bool"),

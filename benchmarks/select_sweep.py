@@ -3,7 +3,9 @@
 A 2048-row chunk's selection at 32K is ~0.31 ms of GPU time (timeline.py, H100): the `mpp`
 score producer ~176 µs and the top-k ~132 µs, against ~75 µs to write and read its float32
 plane once. This times, on the GPU's clock (`bench.mlx_gpu_pass`) and in turns:
-- the producer with NW (warps per CTA: 4 run both halves of each key tile, 8 one each);
+- the producer with NW (warps per CTA: 4 run both halves of each key tile, 8 one each), and
+  with its score division as `__fdiv_rn` itself (`score_nw8_fdiv_rn`) instead of common.cuh's
+  `div_sqrt128`;
 - with `--gbs`, the producer with other GB (key tiles per CTA; 2-16 were slower than 4 with
   4 warps, 2026-12-07);
 - the top-k with NT threads and CAP candidates per row's CTA, (128, 2048), (256, 2048),
@@ -35,11 +37,15 @@ NWS = (4, 8)
 TOPKS = ((128, 2048), (256, 2048), (256, 4096), (512, 4096))  # (threads, candidates)
 
 
-def use(nw: int, shape: tuple[int, int] | None, gb: int | None = None) -> None:
+def use(
+    nw: int, shape: tuple[int, int] | None, gb: int | None = None, ieee_div: bool = False
+) -> None:
     """The launchers read these module values at each call; the top-k's plans are cached.
-    shape None: the launcher's own (`selector.topk_shape`); gb None: the default."""
+    shape None: the launcher's own (`selector.topk_shape`); gb None: the default; ieee_div: the
+    score's division as `__fdiv_rn` (common.cuh `QSA_IEEE_DIV`) instead of `div_sqrt128`."""
     prefill_score._NW = nw
     prefill_score._GB = _GB if gb is None else gb
+    prefill_score._IEEE_DIV = ieee_div
     selector._plan_top_k.cache_clear()
     selector.topk_shape = (lambda rows: shape) if shape is not None else _topk_shape
 
@@ -88,14 +94,16 @@ def measure(cfg: QSAConfig, P: int, a: argparse.Namespace) -> dict:
     mx.eval(planes)
     passes: dict[str, Callable[[], float]] = {}
     same: dict[str, bool] = {}
-    # the producer: its warps, then (--gbs) its key tiles per CTA with the default warps
-    producers = [(f"score_nw{nw}", nw, None) for nw in NWS]
-    producers += [(f"score_gb{gb}", nw0, gb) for gb in a.gbs]
-    for name, nw, gb in producers:
-        use(nw, None, gb)
+    # the producer: its warps, its division as __fdiv_rn, then (--gbs) its key tiles per CTA
+    # with the default warps
+    producers = [(f"score_nw{nw}", nw, None, False) for nw in NWS]
+    producers += [(f"score_nw{nw0}_fdiv_rn", nw0, None, True)]
+    producers += [(f"score_gb{gb}", nw0, gb, False) for gb in a.gbs]
+    for name, nw, gb, ieee in producers:
+        use(nw, None, gb, ieee)
         same[name] = same_as_base(lambda i: top_k(i, produce(i)))
         one = bench.mlx_gpu_pass(lambda i: [p[0] for p in produce(i)], a.sets)
-        passes[name] = lambda one=one, nw=nw, gb=gb: (use(nw, None, gb), one())[1]
+        passes[name] = lambda one=one, nw=nw, gb=gb, ieee=ieee: (use(nw, None, gb, ieee), one())[1]
     for shape in () if a.producers_only else TOPKS:  # the top-k on the default producer's planes
         use(nw0, shape)
         name = f"topk_nt{shape[0]}_cap{shape[1]}"

@@ -107,11 +107,17 @@ def include(filename: str) -> str:
 def header_for(source: str) -> str:
     """The header a kernel body gets: ``common.cuh`` where the body uses it (names ``qsa::``),
     else none; ``gate.cuh`` after it where the body is built with the fused output gate
-    (``#define QSA_GATE``: only those kernels parse MLX's device op headers)."""
+    (``#define QSA_GATE``: only those kernels parse MLX's device op headers). A body's
+    ``#define QSA_IEEE_DIV`` (common.cuh's `div_sqrt128` as plain `__fdiv_rn`, for A/B timing)
+    goes before the include, where common.cuh reads it."""
     if "qsa::" not in source:
         return ""
     gated = "#define QSA_GATE\n" in source
-    return include("common.cuh") + (include("gate.cuh") if gated else "")
+    ieee = _IEEE_DIV if _IEEE_DIV in source else ""
+    return ieee + include("common.cuh") + (include("gate.cuh") if gated else "")
+
+
+_IEEE_DIV = "#define QSA_IEEE_DIV\n"
 
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"$', re.M)

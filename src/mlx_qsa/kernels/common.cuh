@@ -41,12 +41,30 @@ __device__ __forceinline__ float fma8(float a, const float* q, const float (&k)[
   return a;
 }
 
+// x / sqrt(128) rounded to nearest, the bits of __fdiv_rn(x, 11.313708305358887f) (C below),
+// without its division routine: q = x * R with R = 1 / C rounded, then one correction from the
+// exact residual x - q C (an FMA). __fdiv_rn called that routine for most scores: a third of the
+// prefill score producer's warp samples (Nsight Compute, H100, 2026-12-07). Checked bit for bit
+// against __fdiv_rn over every float32 (exact_div.cu, tests/test_cuda_exact_div.py). +0 (a sum
+// of ReLUs that are all zero: a warp nearly always has one) takes the fast form too, so that
+// the warp does not also run __fdiv_rn; outside +0 and [2^-100, 2^100] (tiny and huge sums,
+// -0, inf, NaN) __fdiv_rn itself runs. QSA_IEEE_DIV keeps __fdiv_rn everywhere (A/B timing).
+__device__ __forceinline__ float div_sqrt128(float x) {
+  constexpr float C = 11.313708305358887f, R = 0.0883883461356163f;  // 0x413504f3, 0x3db504f3
+#ifndef QSA_IEEE_DIV
+  if ((x >= 0x1p-100f && x <= 0x1p100f) || __float_as_uint(x) == 0u) {
+    const float q = __fmul_rn(x, R);
+    return __fmaf_rn(__fmaf_rn(-q, C, x), R, q);
+  }
+#endif
+  return __fdiv_rn(x, C);
+}
+
 // The indexer's block score from its heads' dot products (QSA.md §8.2): ReLU per head, head
 // sum in order h = 0..HI-1, over sqrt(d_I = 128), minus the id adjustment b * 1e-12, each step
 // a float32 operation rounded to nearest (no contraction), as the portable twin computes it.
 __device__ __forceinline__ float adjusted_score(float relu_sum, int b) {
-  const float score = __fdiv_rn(relu_sum, 11.313708305358887f);
-  return __fsub_rn(score, __fmul_rn((float)b, 1e-12f));
+  return __fsub_rn(div_sqrt128(relu_sum), __fmul_rn((float)b, 1e-12f));
 }
 
 template <int HI>

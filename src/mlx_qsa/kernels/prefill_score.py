@@ -19,6 +19,9 @@ _TR, _TB, _GB = 64, 64, 4  # rows per CTA, blocks per tile, tiles per CTA
 # H100, benchmarks/select_sweep.py: 2048 rows after 32K 137.7 µs at 8 against 184.4 at 4;
 # after 128K (3 x 992 rows) 485.9 against 652.1. GB 2 / 8 / 16 were no faster than 4.
 _NW = 8
+# The score's division as `__fdiv_rn` itself instead of common.cuh's `div_sqrt128` (the same
+# bits): for A/B timing in benchmarks/select_sweep.py only.
+_IEEE_DIV = False
 
 
 SMEM_BYTES = _TR * (4 * 128 + 8) * 2 + 2 * _TB * (128 + 8) * 2  # query rows + two key tiles
@@ -72,6 +75,7 @@ def prefill_scores_cuda(index_q: mx.array, pooled: mx.array, pos: mx.array, *, r
         (),
         shared_memory=smem,
         ensure_row_contiguous=True,
+        prefix="#define QSA_IEEE_DIV\n" if _IEEE_DIV else "",
         template=(("RATIO", ratio), ("L", _L), ("GB", _GB), ("NW", _NW)),
     )
     return tuple(
