@@ -6,8 +6,8 @@ plane once. This times, on the GPU's clock (`bench.mlx_gpu_pass`) and in turns:
 - the producer with NW (warps per CTA: 4 run both halves of each key tile, 8 one each), and
   with its score division as `__fdiv_rn` itself (`score_nw8_fdiv_rn`) instead of common.cuh's
   `div_sqrt128`;
-- with `--gbs`, the producer with other GB (key tiles per CTA; 2-16 were slower than 4 with
-  4 warps, 2026-12-07);
+- with `--gbs`, the producer with other GB (key tiles per CTA; with 8 warps and `div_sqrt128`,
+  2 / 8 / 16 were within 5 % of 4, 2026-12-07 r3 of div_2026-12-07);
 - the top-k with NT threads and CAP candidates per row's CTA, (128, 2048), (256, 2048),
   (256, 4096), (512, 4096), on planes made beforehand ((128, 4096) was slower);
 and checks that every variant's selection (ids, valid, scores) is the default's, bit for bit.
