@@ -18,7 +18,7 @@ _TR, _TB, _GB = 64, 64, 4  # rows per CTA, blocks per tile, tiles per CTA
 # Warps per CTA (prefill_score.cu): 8 run one tile half each, 4 both halves; the same bits.
 # H100, benchmarks/select_sweep.py: 2048 rows after 32K 137.7 µs at 8 against 184.4 at 4;
 # after 128K (3 x 992 rows) 485.9 against 652.1. GB 2 / 8 / 16 were no faster than 4 (again
-# with div_sqrt128: within 5 % of it, 2% faster at 128K, slower at 32K).
+# with div_sqrt128: within 5 % of it, 2 % faster at 128K, slower at 32K).
 _NW = 8
 # The score's division as `__fdiv_rn` itself instead of common.cuh's `div_sqrt128` (the same
 # bits): for A/B timing in benchmarks/select_sweep.py only.
