@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
+from test_cuda_decode import needs_cuda
 
 from mlx_qsa.kernels.exact_div import div_sqrt128_mismatches
-
-needs_cuda = pytest.mark.skipif(
-    not mx.cuda.is_available(), reason="needs MLX's CUDA backend on an NVIDIA GPU"
-)
 
 
 @pytest.mark.parametrize(("lo", "count"), [(1, 1 << 30), (0, 1000), (3 << 30, 2 << 30), (0, 0)])
