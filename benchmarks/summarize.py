@@ -85,6 +85,41 @@ def prefill_table(doc: dict) -> str:
         lines.append(
             f"| {p['prefix'] // 1024}K | {p['rows']} | " + " | ".join(ms) + f" | {sel} | {lay} |"
         )
+    if any("qsa_cuda_layer_large" in p["timings"] for p in doc["points"]):
+        lines += ["", large_table(doc)]
+    return "\n".join(lines)
+
+
+def _route(entry: dict) -> str:
+    """An entry's selector and consumers, as the bench recorded them."""
+    return f"{entry.get('selector', '?')} + {'/'.join(entry.get('consumers', []))}"
+
+
+def large_table(doc: dict) -> str:
+    """The layer with the library defaults against the layer with the large-prefill lane and
+    `prefill_flash` from `large_from` on (`bench prefill --large-from`), ms, the routes each
+    took, and torch's dense causal SDPA over the same context."""
+    cols = [
+        ("qsa_cuda_layer_gpu", "CUDA layer, defaults, GPU clock"),
+        ("qsa_cuda_layer_large_gpu", "CUDA layer, large lane, GPU clock"),
+        ("qsa_cuda_layer", "defaults, eval"),
+        ("qsa_cuda_layer_large", "large lane, eval"),
+        ("torch_dense_causal_sdpa", "torch dense causal (events)"),
+    ]
+    head = "| prefix | routes (defaults → large lane) | " + " | ".join(c[1] for c in cols)
+    head += " | defaults ÷ large lane (GPU clock / eval) | torch ÷ large lane (GPU clock) |"
+    lines = [head, "|" + "---|" * (len(cols) + 4)]
+    for p in doc["points"]:
+        t = p["timings"]
+        if "qsa_cuda_layer_large" not in t:
+            continue
+        ms = [f"{t[c]['median_us'] / 1e3:.2f}" if c in t else "–" for c, _ in cols]
+        gain = f"{_ratio(t, cols[0][0], cols[1][0])} / {_ratio(t, cols[2][0], cols[3][0])}"
+        lines.append(
+            f"| {p['prefix'] // 1024}K | {_route(t['qsa_cuda_layer'])} → "
+            f"{_route(t['qsa_cuda_layer_large'])} | " + " | ".join(ms) + f" | {gain} | "
+            f"{_ratio(t, 'torch_dense_causal_sdpa', cols[1][0])} |"
+        )
     return "\n".join(lines)
 
 

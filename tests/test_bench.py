@@ -182,6 +182,50 @@ def test_prefill_document(tmp_path, turns) -> None:
         assert "copy_bandwidth" not in doc and "kv_of_copy" not in r
 
 
+def test_prefill_large_lane_times_both_routings(tmp_path, turns) -> None:
+    """`--large-from`: the layer with the library defaults (below 32K: the oracle's keep-mask
+    and `sdpa`) and with the large-prefill lane from that context (the prefill selector and
+    `prefill_flash`), in the same rotation; the chunk's attention entry takes the latter's
+    consumer instead of the defaults' `prefill_gather` tier."""
+    out = tmp_path / "p.json"
+    args = _args(
+        "prefill", "--contexts", "2048", "--chunk", "64", "--sets", "1", "--repeats", "1",
+        "--warmup", "1", "--settle", "0", "--ceiling-n", "256", "--large-from", "2049",
+        "--portable-only", "--out", str(out),
+    )  # fmt: skip
+    assert bench.run(args) == 0
+    (p,) = json.loads(out.read_text())["points"]
+    ((entries, _, _, _),) = turns
+    assert entries[:5] == [
+        "qsa_portable_selection",
+        "qsa_portable_attention",
+        "qsa_portable_selection_attention",
+        "qsa_portable_layer",
+        "qsa_portable_layer_large",
+    ]
+    t = p["timings"]
+    assert p["large_from"] == 2049
+    assert (t["qsa_portable_layer"]["selector"], t["qsa_portable_layer"]["consumers"]) == (
+        "oracle",
+        ["sdpa"],
+    )
+    large = t["qsa_portable_layer_large"]
+    assert (large["selector"], large["consumers"]) == ("prefill_kernel", ["prefill_flash"])
+    assert large["median_us"] > 0
+    assert t["qsa_portable_attention"]["consumers"] == ["prefill_flash"]
+
+
+def test_prefill_layer_options() -> None:
+    assert bench.prefill_layer_options(None) == [("", bench.QSAOptions())]
+    (_, defaults), (suffix, large) = bench.prefill_layer_options(8192)
+    assert defaults == bench.QSAOptions() and suffix == "_large"
+    assert large == bench.QSAOptions(prefill_min_context=8192, flash_min=8192)
+    # the lane starts at 2049 at the earliest (RUNTIME.md §3)
+    assert bench.prefill_layer_options(0)[1][1].effective_prefill_min_context == 2049
+    with pytest.raises(SystemExit, match="--large-from must be a context >= 0, got -1"):
+        bench.run(_args("prefill", "--large-from", "-1"))
+
+
 def test_tp_needs_a_matching_group() -> None:
     with pytest.raises(SystemExit, match="--tp 2: the distributed group has 1 ranks"):
         bench.run(_args("decode", "--tp", "2", "--contexts", "4096"))

@@ -85,3 +85,22 @@ def test_prefill_table_compares_like_with_like():
     }))  # fmt: skip
     cells = [c.strip() for c in old.splitlines()[2].strip("|").split("|")]
     assert cells[3] == cells[4] == cells[9] == "–" and cells[10] == "– / – / –"
+
+
+def test_large_lane_table_sets_the_two_routings_side_by_side():
+    sm = _script("summarize")
+    doc = _doc({
+        "qsa_cuda_layer": 5120.0, "qsa_cuda_layer_gpu": 4800.0,
+        "qsa_cuda_layer_large": 2900.0, "qsa_cuda_layer_large_gpu": 2400.0,
+        "torch_dense_causal_sdpa": 1700.0,
+    })  # fmt: skip
+    t = doc["points"][0]["timings"]
+    t["qsa_cuda_layer"] |= {"selector": "oracle", "consumers": ["sdpa"]}
+    t["qsa_cuda_layer_large"] |= {"selector": "compiled_core", "consumers": ["prefill_flash"]}
+    table = sm.prefill_table(doc).split("\n\n")[1]
+    cells = [c.strip() for c in table.splitlines()[2].strip("|").split("|")]
+    assert cells[:2] == ["32K", "oracle + sdpa → compiled_core + prefill_flash"]
+    assert cells[2:7] == ["4.80", "2.40", "5.12", "2.90", "1.70"]
+    assert cells[7] == "2.00 / 1.77" and cells[8] == "0.71"
+    # documents without the large lane have no second table
+    assert "\n\n" not in sm.prefill_table(_doc({"qsa_cuda_layer": 1.0}))

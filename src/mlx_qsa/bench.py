@@ -744,26 +744,32 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         rec["attention_kv_bytes"] = prefill_kv_bytes(cfg, P, S)
         outs = {}
         passes: dict[str, Callable[[], float]] = {}  # taken in turns (`time_in_turns`)
-        consumers = {}
+        consumers, selectors = {}, {}
+        layer_options = prefill_layer_options(getattr(args, "large_from", None))
         for impl in impls:
             comp, consumers[f"qsa_{impl}_attention"], outs[impl] = prefill_components(
-                cfg, sets, impl
+                cfg, sets, impl, layer_options[-1][1]
             )
             passes.update({f"qsa_{impl}_{k}": v for k, v in comp.items()})
-            opts = QSAOptions(kernels="auto" if impl == "cuda" else "portable")
-            lay = QSAAttention(cfg, options=opts, fused=4)
-            lay.update(base.parameters())
+            for suffix, routing in layer_options:
+                name = f"qsa_{impl}_layer{suffix}"
+                opts = routing.replace(kernels="auto" if impl == "cuda" else "portable")
+                lay = QSAAttention(cfg, options=opts, fused=4)
+                lay.update(base.parameters())
 
-            def step(i: int, lay=lay, xs=xs, caches=caches) -> mx.array:
-                y = lay(xs[i], cache=caches[i])
-                caches[i].trim(S)
-                return y
+                def step(i: int, lay=lay, xs=xs, caches=caches) -> mx.array:
+                    y = lay(xs[i], cache=caches[i])
+                    caches[i].trim(S)
+                    return y
 
-            mx.eval(step(0))
-            consumers[f"qsa_{impl}_layer"] = list(lay.last_call.consumers)
-            passes[f"qsa_{impl}_layer"] = mlx_pass(step, args.sets)
-            if impl == "cuda":
-                passes[f"qsa_{impl}_layer_gpu"] = mlx_gpu_pass(step, args.sets)
+                mx.eval(step(0))
+                consumers[name] = list(lay.last_call.consumers)
+                selectors[name] = lay.last_call.selector
+                passes[name] = mlx_pass(step, args.sets)
+                if impl == "cuda":
+                    passes[f"{name}_gpu"] = mlx_gpu_pass(step, args.sets)
+        if len(layer_options) > 1:
+            rec["large_from"] = layer_options[-1][1].effective_prefill_min_context
         if "cuda" in outs:
             rec["checks"] = prefill_checks(outs["cuda"], outs["portable"])
         del outs
@@ -781,6 +787,8 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         t.update(time_in_turns(passes, args.warmup, args.repeats, args.settle))
         for name, names in consumers.items():
             t[name]["consumers"] = names
+        for name, selector in selectors.items():
+            t[name]["selector"] = selector
         for name in ("torch_dense_causal_sdpa", "torch_dense_causal_sdpa_sync"):
             if name in t:
                 t[name]["note"] = "K/V expanded to 24 heads; lower-right causal mask"
@@ -792,6 +800,20 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     if backend == "cuda":  # the attention's bytes against what a plain copy moves
         body["copy_bandwidth"] = copy_bandwidth(args.copy_bytes)
     return body
+
+
+def prefill_layer_options(large_from: int | None) -> list[tuple[str, QSAOptions]]:
+    """The routing options the prefill bench times the layer with (pure): the library defaults
+    (entry suffix ""), and with `large_from` also those with the large-prefill lane and the
+    `prefill_flash` consumer from context `large_from` on (`prefill_min_context` = `flash_min`
+    = `large_from`; suffix "_large"). Below 32K the defaults send a chunk to the keep-mask
+    `sdpa` consumer, with its selection made by the eager oracle path (RUNTIME.md §5.5); both
+    options must move, or the chunk takes the `prefill_gather` tier. The chunk's own selection
+    and attention entries follow the last of these."""
+    out = [("", QSAOptions())]
+    if large_from is not None:
+        out.append(("_large", QSAOptions(prefill_min_context=large_from, flash_min=large_from)))
+    return out
 
 
 def _prefill_counts(cfg: QSAConfig, P: int, S: int) -> tuple[int, int]:
@@ -818,12 +840,13 @@ def prefill_kv_bytes(cfg: QSAConfig, P: int, S: int) -> int:
 
 
 def prefill_steps(
-    cfg: QSAConfig, sets: list[DecodeSet], impl: str
+    cfg: QSAConfig, sets: list[DecodeSet], impl: str, routing: QSAOptions | None = None
 ) -> tuple[dict[str, Callable[[int], mx.array]], list[str], tuple[Selection, mx.array]]:
-    """Selection (scoring + exact top-k, RUNTIME §6.3 chunks) and attention (the routed
-    prefill consumer) of the chunk's rows on set i, apart and together (`selection`,
-    `attention` on selections made beforehand, `selection_attention`); the attention's
-    consumers; set 0's selection and output (for the CUDA-against-portable checks)."""
+    """Selection (scoring + exact top-k, RUNTIME §6.3 chunks) and attention (the prefill
+    consumer that `routing`, by default the library defaults, picks for prefill blocks) of the
+    chunk's rows on set i, apart and together (`selection`, `attention` on selections made
+    beforehand, `selection_attention`); the attention's consumers; set 0's selection and output
+    (for the CUDA-against-portable checks)."""
     r, K = cfg.indexer_compress_ratio, cfg.block_topk
     caps = plan.Capabilities.reference()
     S, P = sets[0].rows, sets[0].T - sets[0].rows
@@ -848,7 +871,7 @@ def prefill_steps(
         scale=cfg.scale,
     )
     cplan = plan.plan_consumers(
-        QSAOptions(), caps, call, "prefill_blocks", has_indexer=True,
+        routing or QSAOptions(), caps, call, "prefill_blocks", has_indexer=True,
         prefill_flash_contract=contract,
     )  # fmt: skip
 
@@ -866,11 +889,11 @@ def prefill_steps(
 
 
 def prefill_components(
-    cfg: QSAConfig, sets: list[DecodeSet], impl: str
+    cfg: QSAConfig, sets: list[DecodeSet], impl: str, routing: QSAOptions | None = None
 ) -> tuple[dict[str, Callable[[], float]], list[str], tuple[Selection, mx.array]]:
     """`prefill_steps` as passes to time in turns: an `mx.eval` per step, and on CUDA also on
     the GPU's clock and ending in `mx.synchronize`; the consumers and set 0's outputs as there."""
-    steps, consumers, outputs = prefill_steps(cfg, sets, impl)
+    steps, consumers, outputs = prefill_steps(cfg, sets, impl, routing)
     n = len(sets)
     passes = {k: mlx_pass(f, n) for k, f in steps.items()}
     if impl == "cuda":  # also on the GPU's clock, as torch's events time its peer
@@ -1110,6 +1133,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-timeout", type=int, default=1800, help="seconds per size of a --tp list")
     p.add_argument("--no-torch", action="store_true", help="skip the torch peer")
     p.add_argument("--no-layer", action="store_true", help="skip the whole-layer columns")
+    p.add_argument(
+        "--large-from",
+        type=int,
+        default=None,
+        help="prefill: also time the layer with prefill_min_context = flash_min = this context "
+        "(entries qsa_*_layer_large; the chunk's selection and attention entries then use its "
+        "consumer), beside the library defaults",
+    )
     p.add_argument("--portable-only", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     p.add_argument("--png", type=Path, default=None, help="chart to write (needs matplotlib)")
@@ -1122,6 +1153,8 @@ def run(args: argparse.Namespace) -> int:
         args.ceiling_n = 8192 if backend_name() == "cuda" else 1024
     if args.sets < 1 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("bench: --sets and --repeats must be >= 1, --warmup >= 0")
+    if getattr(args, "large_from", None) is not None and args.large_from < 0:
+        raise SystemExit(f"bench: --large-from must be a context >= 0, got {args.large_from}")
     backend = backend_name()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if args.tp is not None and len(args.tp) > 1:
