@@ -35,6 +35,8 @@
 #          top-k's threads and candidate room, in turns (select_sweep.py)
 # divtests: the score division against __fdiv_rn over every float32 (test_cuda_exact_div.py),
 #          then the selector tests that compare scores and selections with the portable path
+# seldiff: rows whose CUDA prefill selection differs from the portable one, with float64 scores
+#          (benchmarks/selection_diff.py; SELDIFF_PREFIXES, default 16384; SELDIFF_SETS, default 2)
 # stamptest: the GPU timer stamp (test_cuda_stamp.py) and the bench document tests
 # timeline: benchmarks/timeline.py (CUPTI timeline of decode and prefill steps; TIMELINE_ARGS)
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
@@ -223,6 +225,11 @@ PY
         tests/test_cuda_exact_div.py tests/test_cuda_decode.py tests/test_cuda_prefill.py \
         -k "exact_div or select or exact_dots or chunks or many_rows or scores_plane" 2>&1 \
         | tee "$OUT/divtests.log" | tail -8
+      rc=$((rc | PIPESTATUS[0])) ;;
+    seldiff)  # why a prefill selection differs from the portable path's (float32 sum orders)
+      timeout 200 python3 benchmarks/selection_diff.py --prefixes "${SELDIFF_PREFIXES:-16384}" \
+        --sets "${SELDIFF_SETS:-2}" --out "$OUT/selection_diff_$GPU_TAG.json" 2>&1 \
+        | tee "$OUT/selection_diff.log" | cut -c1-600 | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     stamptest)  # the GPU timer stamp the bench's `_gpu` entries read
       timeout 200 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_stamp.py \
