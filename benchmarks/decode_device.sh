@@ -3,6 +3,7 @@
 #   source .device/part-b/activate.sh && bash benchmarks/decode_device.sh tests|trace|bench|prefill
 # tests:   the decode kernels' tests (test_cuda_decode.py)
 # tests2:  the other CUDA tests: prefill kernels, layer, RoPE, RMSNorm, bench (GPU columns), turns
+#          (it overran a 600 s call after `bench`: `ptests` is its first half, tests2b the rest)
 # gemmtests: the custom GEMM's tests and the sweep's (a call of their own)
 # ptests:  the prefill kernel tests and the CUDA layer tests only
 # ktests:  the prefill kernel tests and the CUDA layer's prefill tests
@@ -39,6 +40,8 @@
 #          (benchmarks/selection_diff.py; SELDIFF_PREFIXES, default 16384; SELDIFF_SETS, default 2)
 # stamptest: the GPU timer stamp (test_cuda_stamp.py) and the bench document tests
 # timeline: benchmarks/timeline.py (CUPTI timeline of decode and prefill steps; TIMELINE_ARGS)
+# Test steps append each failure's report to $OUT/failures.txt as it happens (QSA_FAIL_LOG,
+# tests/conftest.py): a call stopped at its limit still says why a test failed.
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
 # clocks, power and throttle reasons every 200 ms into smi.csv. TAR=1 packs $OUT into one file
 # (the device returns at most 8 a call).
@@ -47,6 +50,7 @@ OUT="${OUT:-/tmp/qsa-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+export QSA_FAIL_LOG="$OUT/failures.txt"
 date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$OUT/when.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv \
   | tee "$OUT/gpu.txt"
@@ -72,6 +76,11 @@ for what in "$@"; do
         tests/test_cuda_prefill.py tests/test_cuda_layer.py tests/test_cuda_rope.py \
         tests/test_cuda_rms_norm.py tests/test_bench.py tests/test_turns.py 2>&1 \
         | tee "$OUT/tests2.log" | tail -20
+      rc=$((rc | PIPESTATUS[0])) ;;
+    tests2b)  # the second half of tests2
+      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+        tests/test_cuda_rope.py tests/test_cuda_rms_norm.py tests/test_bench.py \
+        tests/test_turns.py 2>&1 | tee "$OUT/tests2b.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     gemmtests)  # the GEMM families' tests (~170 s on an H200): `tests` and these do not fit
                 # one 600 s call together

@@ -7,6 +7,7 @@ Test modules import these with `from conftest import ...` (tests/ is on sys.path
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +141,16 @@ class Seen:
     positions: np.ndarray
     T: int
     impl: str = "portable"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``QSA_FAIL_LOG`` set, each failure's report is appended to that file as soon as the
+    test ends. The lent GPU stops a call at its time limit, before pytest prints its failure
+    section at the end of the run; this keeps the reasons (benchmarks/decode_device.sh)."""
+    path = os.environ.get("QSA_FAIL_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
 @pytest.fixture(autouse=True)

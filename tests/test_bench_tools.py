@@ -104,3 +104,28 @@ def test_large_lane_table_sets_the_two_routings_side_by_side():
     assert cells[7] == "2.00 / 1.77" and cells[8] == "0.71"
     # documents without the large lane have no second table
     assert "\n\n" not in sm.prefill_table(_doc({"qsa_cuda_layer": 1.0}))
+
+
+def test_fail_log_keeps_each_failure_as_it_happens(tmp_path, monkeypatch):
+    """conftest's `QSA_FAIL_LOG` hook (device runs stopped at their time limit keep the
+    reasons): a failed report is appended at once, a passed one leaves no trace."""
+    from types import SimpleNamespace
+
+    from conftest import pytest_runtest_logreport
+
+    log = tmp_path / "failures.txt"
+    monkeypatch.setenv("QSA_FAIL_LOG", str(log))
+    report = SimpleNamespace(failed=False, nodeid="t.py::ok", when="call", longreprtext="")
+    pytest_runtest_logreport(report)
+    assert not log.exists()
+    for name in ("a", "b"):
+        report = SimpleNamespace(
+            failed=True, nodeid=f"t.py::{name}", when="call", longreprtext=f"E  {name} failed"
+        )
+        pytest_runtest_logreport(report)
+    assert log.read_text() == (
+        "== t.py::a (call)\nE  a failed\n\n== t.py::b (call)\nE  b failed\n\n"
+    )
+    monkeypatch.delenv("QSA_FAIL_LOG")
+    pytest_runtest_logreport(report)
+    assert log.read_text().count("==") == 2
