@@ -129,3 +129,29 @@ def test_fail_log_keeps_each_failure_as_it_happens(tmp_path, monkeypatch):
     monkeypatch.delenv("QSA_FAIL_LOG")
     pytest_runtest_logreport(report)
     assert log.read_text().count("==") == 2
+
+
+def test_selection_diff_scores_and_ulps():
+    """benchmarks/selection_diff.py: its float64 scores are QSA.md §8.2's (the portable float32
+    scores lie within float32 rounding of them), and distances count float32 ulps."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_qsa.bench import DecodeSet
+    from mlx_qsa.config import QSAConfig
+    from mlx_qsa.indexer import block_penalty, score_blocks
+
+    sd = _script("selection_diff")
+    assert sd.ulps_apart(1.0, 1.0 + 2**-23) == pytest.approx(1.0)
+    assert sd.ulps_apart(3.0, 3.0) == 0.0
+    assert sd.ulps_apart(2.0, 2.0 + 2**-21) == pytest.approx(2.0)  # ulp 2^-22 in [2, 4)
+    cfg = QSAConfig()
+    s = DecodeSet(cfg, 2112, 64, seed=3)
+    keys_t = s.pooled[0].astype(mx.float32).T
+    f32 = np.array(score_blocks(s.index_q, keys_t, block_penalty(keys_t.shape[1])))
+    for row in (0, 63):
+        nb = (2048 + row + 1) // 4
+        exact = sd.float64_scores(s, row, nb)
+        assert exact.shape == (nb,)
+        np.testing.assert_allclose(f32[row, :nb], exact, rtol=2e-6, atol=1e-6)
+        assert np.max(np.abs(f32[row, :nb] - exact)) > 0  # float32, not float64
