@@ -224,6 +224,8 @@ def test_prefill_layer_options() -> None:
     assert bench.prefill_layer_options(0)[1][1].effective_prefill_min_context == 2049
     with pytest.raises(SystemExit, match="--large-from must be a context >= 0, got -1"):
         bench.run(_args("prefill", "--large-from", "-1"))
+    with pytest.raises(SystemExit, match="--large-from applies to bench prefill only"):
+        bench.run(_args("decode", "--large-from", "8192"))
 
 
 def test_tp_needs_a_matching_group() -> None:

@@ -1153,8 +1153,11 @@ def run(args: argparse.Namespace) -> int:
         args.ceiling_n = 8192 if backend_name() == "cuda" else 1024
     if args.sets < 1 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("bench: --sets and --repeats must be >= 1, --warmup >= 0")
-    if getattr(args, "large_from", None) is not None and args.large_from < 0:
-        raise SystemExit(f"bench: --large-from must be a context >= 0, got {args.large_from}")
+    large_from = getattr(args, "large_from", None)
+    if large_from is not None and (args.mode != "prefill" or args.tp is not None):
+        raise SystemExit("bench: --large-from applies to bench prefill only (without --tp)")
+    if large_from is not None and large_from < 0:
+        raise SystemExit(f"bench: --large-from must be a context >= 0, got {large_from}")
     backend = backend_name()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if args.tp is not None and len(args.tp) > 1:
