@@ -74,6 +74,53 @@ def attended(s: Seen) -> list[np.ndarray]:
     return [np.sort(t) for t in toks]
 
 
+def selection_rows(sel) -> dict[str, np.ndarray]:
+    """A selection's arrays in its RUNTIME §7 format, one row per query row."""
+    names = ("ids", "valid", "slots", "slot_valid", "mask")
+    out = {n: np.array(getattr(sel, n)) for n in names if getattr(sel, n) is not None}
+    if "mask" in out:
+        out["mask"] = out["mask"][0, 0]
+    return out
+
+
+def assert_selections_agree(a: Call, b: Call, cfg: QSAConfig, max_ulps: float = 8.0) -> int:
+    """Two paths' selections of one call agree bit for bit, except in rows where the only
+    difference is blocks whose float64 scores lie within `max_ulps` float32 ulps of the row's
+    K-th. Returns the number of those rows.
+
+    The paths are, for example, the CUDA kernels and the portable ops. Both compute QSA.md
+    §8.2's float32 scores from the same bf16 operands, but their sums of the 128 exact products
+    run in different orders (tensor-core tiles, MLX's GEMM). Where two blocks lie within a
+    rounding of each other at the K-th place, either may go first. The float64 scores come from
+    the call's own operands (`a.index_q`, `a.pooled`). Any other difference fails: a wrong
+    block, a partial block, or another format of the same tokens. (The near-ties seen were 0.4
+    to 1.5 ulps apart. At the real geometry after 16K the 512th and 513th scores of a row lie
+    a median 4900 ulps apart, and 70 or more in 127 of 128 rows sampled.)"""
+    ra, rb = selection_rows(a.seen.sel), selection_rows(b.seen.sel)
+    assert ra.keys() == rb.keys(), f"S{a.S}@{a.P}: formats {sorted(ra)} / {sorted(rb)}"
+    for k in ra:
+        assert ra[k].shape == rb[k].shape, f"S{a.S}@{a.P} {k}: {ra[k].shape} / {rb[k].shape}"
+    differ = sorted({int(i) for k in ra for i in np.nonzero((ra[k] != rb[k]).any(axis=1))[0]})
+    if not differ:
+        return 0
+    ta, tb = attended(a.seen), attended(b.seen)
+    adj = oracle.adjusted(oracle.block_scores(a.index_q, a.pooled, cfg))
+    for i in differ:
+        only_a, only_b = np.setdiff1d(ta[i], tb[i]), np.setdiff1d(tb[i], ta[i])
+        where = f"S{a.S}@{a.P} row {i}"
+        assert len(only_a) and len(only_b), f"{where}: the same tokens in another format"
+        ba, bb = np.unique(only_a // R), np.unique(only_b // R)
+        assert len(only_a) == R * len(ba) and len(only_b) == R * len(bb), f"{where}: part blocks"
+        assert len(ba) == len(bb), f"{where}: {len(ba)} blocks against {len(bb)}"
+        nb = (a.P + i + 1) // R
+        row = adj[i, :nb]
+        kth = np.sort(row)[::-1][min(cfg.block_topk, nb) - 1]
+        ulp = float(np.spacing(np.float32(abs(kth))))
+        far = [int(x) for x in np.concatenate([ba, bb]) if abs(row[x] - kth) > max_ulps * ulp]
+        assert not far, f"{where}: blocks {far} differ, not within {max_ulps} ulps of the K-th"
+    return len(differ)
+
+
 def assert_selection_format(s: Seen, ref: list[np.ndarray], cfg: QSAConfig) -> None:
     """The selection is exactly `ref` (blocks per row) in its RUNTIME §7 format."""
     sel, pos, K = s.sel, s.positions, cfg.block_topk
@@ -268,6 +315,51 @@ SMALL = [
     for mrope in (True, False)
     for dtype in (BF16, F32)
 ]
+
+
+def test_selections_agree_only_at_near_ties(spy) -> None:
+    """`assert_selections_agree`, the CUDA-against-portable selection check: equal selections
+    pass; a row where the K-th and (K+1)-th blocks trade places passes only while their float64
+    scores lie within `max_ulps` float32 ulps; a far block, or part of a block, fails."""
+    from dataclasses import replace
+
+    from mlx_qsa.indexer import Selection
+
+    cfg = small_config(mrope=False)
+    layer, _ = build(cfg, options=QSAOptions.trace(kernels="portable"))
+    run = Run(layer, spy)
+    run.feed_widths(hidden_rows(100, cfg.hidden_size), (40, 60))
+    a = run.calls[-1]
+    assert a.seen.sel.kind == "dense_mask"
+    assert assert_selections_agree(a, a, cfg) == 0
+    K = cfg.block_topk
+    adj = oracle.adjusted(oracle.block_scores(a.index_q, a.pooled, cfg))
+    best = None  # the sparse row whose K-th and (K+1)-th scores lie closest (> 0 apart)
+    for i in range(a.S):
+        nb = (a.P + i + 1) // R
+        order = np.lexsort((np.arange(nb), -adj[i, :nb]))
+        gap = adj[i, order[K - 1]] - adj[i, order[K]]
+        if nb > K and gap > 0 and (best is None or gap < best[1]):
+            best = (i, gap, order)
+    i, gap, order = best
+    ulps = gap / float(np.spacing(np.float32(abs(adj[i, order[K - 1]]))))
+    mask = np.array(a.seen.sel.mask)
+
+    def with_row(drop: int, add: int, tokens: int = R) -> Call:
+        m = mask.copy()
+        m[0, 0, i, R * drop : R * drop + tokens] = False
+        m[0, 0, i, R * add : R * add + R] = True
+        return replace(a, seen=replace(a.seen, sel=Selection("dense_mask", mask=mx.array(m))))
+
+    swapped = with_row(order[K - 1], order[K])
+    assert assert_selections_agree(a, swapped, cfg, max_ulps=ulps + 1) == 1
+    with pytest.raises(AssertionError, match="not within"):
+        assert_selections_agree(a, swapped, cfg, max_ulps=ulps / 2)
+    far = with_row(order[K - 1], order[-1])  # the lowest-scored visible block
+    with pytest.raises(AssertionError, match="not within"):
+        assert_selections_agree(a, far, cfg, max_ulps=ulps + 1)
+    with pytest.raises(AssertionError, match="part blocks"):
+        assert_selections_agree(a, with_row(order[K - 1], order[K], tokens=1), cfg, ulps + 1)
 
 
 @pytest.mark.parametrize("mrope, dtype", SMALL)
