@@ -95,7 +95,7 @@ def assert_selections_agree(a: Call, b: Call, cfg: QSAConfig, max_ulps: float = 
     the call's own operands (`a.index_q`, `a.pooled`). Any other difference fails: a wrong
     block, a partial block, or another format of the same tokens. (The near-ties seen were 0.4
     to 1.5 ulps apart. At the real geometry after 16K the 512th and 513th scores of a row lie
-    a median 4900 ulps apart, and 70 or more in 127 of 128 rows sampled.)"""
+    a median 4900 ulps apart, 1st percentile 70, over 128 rows sampled.)"""
     ra, rb = selection_rows(a.seen.sel), selection_rows(b.seen.sel)
     assert ra.keys() == rb.keys(), f"S{a.S}@{a.P}: formats {sorted(ra)} / {sorted(rb)}"
     for k in ra:
