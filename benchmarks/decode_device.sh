@@ -12,6 +12,9 @@
 #          BENCH_ARGS, e.g. "--contexts 128k --rows 1,4"; BENCH_TIMEOUT)
 # prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples; PREFILL_ARGS, e.g.
 #          "--contexts 32k,128k"; PREFILL_TIMEOUT)
+# prompt:  `mlx-qsa bench prompt` (whole prompts in chunks through one layer, defaults and the
+#          large-prefill lane; PROMPT_ARGS, default "--contexts 8k,32k --large-from 8192";
+#          PROMPT_TIMEOUT)
 # overhead: host µs per MLX primitive, CUDA graphs on and off (benchmarks/mlx_overhead.py)
 # quick:   a decode subset with CUDA graphs on and off
 # parts:   the prefill kernels one at a time, bytes floor, selection overlap (prefill_parts.py;
@@ -247,6 +250,12 @@ PY
     timeline)  # a CUPTI timeline (torch.profiler) of sync decode steps and a prefill chunk's parts
       timeout "${TIMELINE_TIMEOUT:-240}" python3 benchmarks/timeline.py "$OUT/timeline" ${TIMELINE_ARGS:-} \
         2>&1 | tee "$OUT/timeline.log" | tail -80
+      rc=$((rc | PIPESTATUS[0])) ;;
+    prompt)
+      timeout "${PROMPT_TIMEOUT:-400}" python3 -m mlx_qsa bench prompt --sets 2 --repeats 3 \
+        --warmup 1 ${PROMPT_ARGS:---contexts 8k,32k --large-from 8192} \
+        --png "$OUT/prompt_$GPU_TAG.png" --out "$OUT/prompt_$GPU_TAG.json" 2>&1 \
+        | tee "$OUT/prompt_run.log"
       rc=$((rc | PIPESTATUS[0])) ;;
     prefill)
       timeout "${PREFILL_TIMEOUT:-560}" python3 -m mlx_qsa bench prefill --sets 2 --repeats 3 --warmup 1 \

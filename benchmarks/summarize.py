@@ -1,6 +1,6 @@
 """Markdown tables of `mlx-qsa bench` JSON documents (for BENCHMARKS.md).
 
-Usage: python3 benchmarks/summarize.py decode.json [prefill.json]
+Usage: python3 benchmarks/summarize.py decode.json [prefill.json] [prompt.json]
 """
 
 from __future__ import annotations
@@ -123,11 +123,49 @@ def large_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _routes(entry: dict) -> str:
+    """A prompt entry's chunk routes, counted: "4 × oracle + sdpa, 12 × compiled + ..."."""
+    counts: dict[str, int] = {}
+    for r in entry.get("routes", []):
+        name = f"{r[0]} + {'/'.join(r[1:])}"
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} × {name}" for name, n in counts.items())
+
+
+def prompt_table(doc: dict) -> str:
+    """`bench prompt`: a whole prompt through one layer, ms, with the library defaults and the
+    large-prefill lane, against torch's dense causal SDPA over the whole prompt in one call."""
+    cols = [
+        ("qsa_cuda_prompt_gpu", "CUDA, defaults, GPU clock"),
+        ("qsa_cuda_prompt_large_gpu", "CUDA, large lane, GPU clock"),
+        ("qsa_cuda_prompt", "defaults, eval"),
+        ("qsa_cuda_prompt_large", "large lane, eval"),
+        ("torch_dense_causal_sdpa", "torch dense causal, one call (events)"),
+    ]
+    head = "| prompt | chunks | routes (defaults; large lane) | " + " | ".join(c[1] for c in cols)
+    head += " | defaults ÷ large lane (GPU clock / eval) | torch ÷ large lane (GPU clock) |"
+    lines = [head, "|" + "---|" * (len(cols) + 5)]
+    for p in doc["points"]:
+        t = p["timings"]
+        ms = [f"{t[c]['median_us'] / 1e3:.2f}" if c in t else "–" for c, _ in cols]
+        routes = "; ".join(
+            _routes(t[c]) for c in ("qsa_cuda_prompt", "qsa_cuda_prompt_large") if c in t
+        )
+        gain = f"{_ratio(t, cols[0][0], cols[1][0])} / {_ratio(t, cols[2][0], cols[3][0])}"
+        lines.append(
+            f"| {p['prompt'] // 1024}K | {len(p['chunks'])} | {routes} | "
+            + " | ".join(ms)
+            + f" | {gain} | {_ratio(t, 'torch_dense_causal_sdpa', cols[1][0])} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
+    tables = {"decode": decode_table, "prefill": prefill_table, "prompt": prompt_table}
     for path in sys.argv[1:]:
         doc = json.load(open(path))
         print(f"{path}: {doc['device_name']}, {doc['date']}, `{doc['command']}`\n")
-        print(decode_table(doc) if doc["bench"] == "decode" else prefill_table(doc))
+        print(tables[doc["bench"]](doc))
         print()
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from conftest import small_config
 from test_sharding import SRC, _free_base_port, _have_ring
 
 from mlx_qsa import bench
@@ -224,8 +225,45 @@ def test_prefill_layer_options() -> None:
     assert bench.prefill_layer_options(0)[1][1].effective_prefill_min_context == 2049
     with pytest.raises(SystemExit, match="--large-from must be a context >= 0, got -1"):
         bench.run(_args("prefill", "--large-from", "-1"))
-    with pytest.raises(SystemExit, match="--large-from applies to bench prefill only"):
+    with pytest.raises(SystemExit, match="--large-from applies to bench prefill and prompt"):
         bench.run(_args("decode", "--large-from", "8192"))
+
+
+def test_prompt_document(tmp_path, turns, monkeypatch) -> None:
+    """`bench prompt`: whole prompts fed in chunks from an empty cache, with the library
+    defaults and the large-prefill lane; every chunk's route recorded; the last chunk's output
+    of each entry against the portable defaults'. A small geometry (budget 16) keeps it quick;
+    the large lane still needs a context of 2049."""
+    cfg = small_config(mrope=False)
+    monkeypatch.setattr(bench, "QSAConfig", lambda: cfg)
+    out = tmp_path / "prompt.json"
+    args = _args(
+        "prompt", "--contexts", "2200", "--chunk", "512", "--sets", "1", "--repeats", "1",
+        "--warmup", "1", "--settle", "0", "--large-from", "2049", "--portable-only",
+        "--out", str(out),
+    )  # fmt: skip
+    assert bench.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "prompt"
+    (p,) = doc["points"]
+    assert p["prompt"] == 2200 and p["chunks"] == [512, 512, 512, 512, 152]
+    ((entries, _, _, _),) = turns
+    assert entries[:2] == ["qsa_portable_prompt", "qsa_portable_prompt_large"]
+    t = p["timings"]
+    defaults, large = t["qsa_portable_prompt"]["routes"], t["qsa_portable_prompt_large"]["routes"]
+    # every chunk past the budget is sparse; below 2049 tokens both take the keep-mask
+    assert defaults[:4] == large[:4] == [["oracle", "sdpa"]] * 4
+    assert defaults[4] == ["oracle", "sdpa"]  # below 32K the defaults keep it
+    # T = 2200: the large lane (the prefill_flash kernel's contract needs the real heads, so
+    # this geometry takes the gather tier)
+    assert large[4] == ["prefill_kernel", "prefill_gather", "rows_gather"]
+    checks = p["checks"]
+    assert checks["qsa_portable_prompt"]["last_chunk_rel_diff"] == 0.0
+    assert checks["qsa_portable_prompt_large"]["last_chunk_rel_diff"] < 1e-2
+    assert "torch" in p["skipped"]["torch_dense_causal_sdpa"]
+    assert bench.prompt_chunks(4096, 2048) == [2048, 2048]
+    with pytest.raises(ValueError, match="n and chunk must be >= 1"):
+        bench.prompt_chunks(0, 2048)
 
 
 def test_tp_needs_a_matching_group() -> None:

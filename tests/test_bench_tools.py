@@ -155,3 +155,28 @@ def test_selection_diff_scores_and_ulps():
         assert exact.shape == (nb,)
         np.testing.assert_allclose(f32[row, :nb], exact, rtol=2e-6, atol=1e-6)
         assert np.max(np.abs(f32[row, :nb] - exact)) > 0  # float32, not float64
+
+
+def test_prompt_table_counts_each_entrys_routes():
+    sm = _script("summarize")
+    dense, masked = [["none", "sdpa"]], [["oracle", "sdpa"]]
+    timings = {
+        "qsa_cuda_prompt": {"median_us": 70000.0, "routes": dense + masked * 15},
+        "qsa_cuda_prompt_gpu": {"median_us": 68000.0},
+        "qsa_cuda_prompt_large": {
+            "median_us": 40000.0,
+            "routes": dense + masked * 2 + [["compiled", "prefill_flash"]] * 13,
+        },
+        "qsa_cuda_prompt_large_gpu": {"median_us": 34000.0},
+        "torch_dense_causal_sdpa": {"median_us": 17000.0},
+    }
+    doc = {"points": [{"prompt": 32768, "chunks": [2048] * 16, "timings": timings}]}
+    cells = [c.strip() for c in sm.prompt_table(doc).splitlines()[2].strip("|").split("|")]
+    assert cells[:3] == [
+        "32K",
+        "16",
+        "1 × none + sdpa, 15 × oracle + sdpa; "
+        "1 × none + sdpa, 2 × oracle + sdpa, 13 × compiled + prefill_flash",
+    ]
+    assert cells[3:8] == ["68.00", "34.00", "70.00", "40.00", "17.00"]
+    assert cells[8] == "2.00 / 1.75" and cells[9] == "0.50"

@@ -64,6 +64,7 @@ from .turns import take_turns
 DEFAULT_CONTEXTS = (8192, 32768, 131072, 262144)
 DEFAULT_ROWS = (1, 2, 4, 8)
 PREFILL_CONTEXTS = (8192, 32768, 131072)
+PROMPT_LENGTHS = (8192, 32768)
 REL_TOL = 1e-2  # bf16 outputs against the float64 reference
 
 
@@ -816,6 +817,92 @@ def prefill_layer_options(large_from: int | None) -> list[tuple[str, QSAOptions]
     return out
 
 
+def prompt_chunks(n: int, chunk: int) -> list[int]:
+    """The widths of an n-token prompt fed `chunk` rows at a time, the last one shorter (pure)."""
+    if n < 1 or chunk < 1:
+        raise ValueError(f"prompt_chunks: n and chunk must be >= 1, got {n}, {chunk}")
+    return [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+
+
+def run_prompt(args: argparse.Namespace) -> dict[str, Any]:
+    """Whole prompts through one layer: each prompt of `args.contexts` tokens fed in
+    `args.chunk`-row chunks from an empty cache, as an engine prefills it (time to the last
+    chunk's output, cache growth included). The layer runs with the library defaults and, with
+    `--large-from`, with the large-prefill lane from that context (`prefill_layer_options`).
+    The peer is torch's dense causal SDPA over the whole prompt in one call: attention only,
+    which is its best case (no chunks, no projections)."""
+    cfg = QSAConfig()
+    backend = backend_name()
+    impls = ("cuda", "portable") if backend == "cuda" and not args.portable_only else ("portable",)
+    mx.random.seed(0)
+    base = QSAAttention(cfg, fused=4)
+    base.set_dtype(mx.bfloat16)
+    points = []
+    for n in args.contexts:
+        widths = prompt_chunks(n, args.chunk)
+        rec: dict[str, Any] = {"prompt": n, "chunks": widths, "timings": {}}
+        xs = [layer_rows(cfg, n, seed=i) for i in range(args.sets)]
+        passes: dict[str, Callable[[], float]] = {}
+        routes: dict[str, list[list[str]]] = {}
+        last: dict[str, mx.array] = {}
+        for impl in impls:
+            for suffix, routing in prefill_layer_options(getattr(args, "large_from", None)):
+                name = f"qsa_{impl}_prompt{suffix}"
+                opts = routing.replace(kernels="auto" if impl == "cuda" else "portable")
+                lay = QSAAttention(cfg, options=opts, fused=4)
+                lay.update(base.parameters())
+
+                def step(i: int, lay=lay, xs=xs, widths=widths, log=None) -> mx.array:
+                    cache, r0, y = lay.make_cache(), 0, None
+                    for w in widths:
+                        y = lay(xs[i][:, r0 : r0 + w], cache=cache)
+                        mx.async_eval(y)  # the GPU starts on a chunk while the next is built
+                        if log is not None:
+                            c = lay.last_call
+                            log.append([c.selector, *c.consumers])
+                        r0 += w
+                    return y
+
+                routes[name] = []
+                last[name] = step(0, log=routes[name])
+                mx.eval(last[name])
+                passes[name] = mlx_pass(step, args.sets)
+                if impl == "cuda":
+                    passes[f"{name}_gpu"] = mlx_gpu_pass(step, args.sets)
+        ref = last[f"qsa_{impls[-1]}_prompt"].astype(mx.float32)
+        rec["checks"] = {
+            name: {
+                "last_chunk_rel_diff": (
+                    mx.linalg.norm((y.astype(mx.float32) - ref).flatten())
+                    / mx.linalg.norm(ref.flatten())
+                ).item()
+            }
+            for name, y in last.items()
+        }
+        torch = _torch_cuda() if not args.no_torch else None
+        if torch is not None:
+            H, d = cfg.num_attention_heads, cfg.head_dim
+            passes["torch_dense_causal_sdpa"] = torch_causal_pass(H, d, n, n, args.sets, cfg.scale)
+            passes["torch_dense_causal_sdpa_sync"] = torch_causal_pass(
+                H, d, n, n, args.sets, cfg.scale, sync_each=True
+            )
+        else:
+            rec["skipped"] = {"torch_dense_causal_sdpa": "torch with CUDA is not importable here"}
+        t = rec["timings"]
+        t.update(time_in_turns(passes, args.warmup, args.repeats, args.settle))
+        for name, names in routes.items():
+            t[name]["routes"] = names
+        for name in ("torch_dense_causal_sdpa", "torch_dense_causal_sdpa_sync"):
+            if name in t:
+                t[name]["note"] = "the whole prompt in one call; K/V expanded to 24 heads"
+        del xs, passes, last
+        release_device_memory()
+        points.append(rec)
+        cols = " ".join(f"{k}={v['median_us'] / 1e3:.2f}ms" for k, v in t.items())
+        print(f"prompt={n} chunks={len(widths)} {cols} checks={rec['checks']}", flush=True)
+    return {"points": points}
+
+
 def _prefill_counts(cfg: QSAConfig, P: int, S: int) -> tuple[int, int]:
     """(visible blocks, attended tokens) summed over the chunk's rows."""
     r, K = cfg.indexer_compress_ratio, cfg.block_topk
@@ -1093,15 +1180,15 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("mode", choices=("decode", "prefill"))
+    p.add_argument("mode", choices=("decode", "prefill", "prompt"))
     p.add_argument(
         "--contexts",
         type=_int_list,
         default=None,
-        help="contexts (decode) or prefixes (prefill), e.g. 8k,32k",
+        help="contexts (decode), prefixes (prefill) or prompt lengths (prompt), e.g. 8k,32k",
     )
     p.add_argument("--rows", type=_int_list, default=DEFAULT_ROWS, help="decode rows per step")
-    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk rows")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill / prompt chunk rows")
     p.add_argument("--sets", type=int, default=8, help="rotated buffer sets (>= 8 defeats L2)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
@@ -1137,9 +1224,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--large-from",
         type=int,
         default=None,
-        help="prefill: also time the layer with prefill_min_context = flash_min = this context "
-        "(entries qsa_*_layer_large; the chunk's selection and attention entries then use its "
-        "consumer), beside the library defaults",
+        help="prefill, prompt: also time the layer with prefill_min_context = flash_min = this "
+        "context (entries qsa_*_layer_large / qsa_*_prompt_large; prefill's selection and "
+        "attention entries then use its consumer), beside the library defaults",
     )
     p.add_argument("--portable-only", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
@@ -1148,14 +1235,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.contexts is None:
-        args.contexts = DEFAULT_CONTEXTS if args.mode == "decode" else PREFILL_CONTEXTS
+        args.contexts = {"decode": DEFAULT_CONTEXTS, "prefill": PREFILL_CONTEXTS}.get(
+            args.mode, PROMPT_LENGTHS
+        )
     if args.ceiling_n is None:
         args.ceiling_n = 8192 if backend_name() == "cuda" else 1024
     if args.sets < 1 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("bench: --sets and --repeats must be >= 1, --warmup >= 0")
     large_from = getattr(args, "large_from", None)
-    if large_from is not None and (args.mode != "prefill" or args.tp is not None):
-        raise SystemExit("bench: --large-from applies to bench prefill only (without --tp)")
+    if large_from is not None and (args.mode == "decode" or args.tp is not None):
+        raise SystemExit("bench: --large-from applies to bench prefill and prompt (without --tp)")
+    if args.mode == "prompt" and (args.tp is not None or args.chunk < 1):
+        raise SystemExit("bench prompt: needs --chunk >= 1 and no --tp")
     if large_from is not None and large_from < 0:
         raise SystemExit(f"bench: --large-from must be a context >= 0, got {large_from}")
     backend = backend_name()
@@ -1173,7 +1264,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         body = {"timing": timing_doc(args)}
         before = host_calibration()
-        body |= run_decode(args) if args.mode == "decode" else run_prefill(args)
+        run_mode = {"decode": run_decode, "prefill": run_prefill, "prompt": run_prompt}
+        body |= run_mode[args.mode](args)
         body["host_calibration"] = {"before": before, "after": host_calibration()}
         if args.mode == "prefill":
             prefill_rates(body)

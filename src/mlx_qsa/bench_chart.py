@@ -8,7 +8,7 @@ from typing import Any
 
 def write_chart(doc: dict[str, Any], path: Path) -> None:
     """Decode: µs per step against context, one panel per row count, log scales, the floor
-    dashed. Prefill: ms per chunk against the prefix."""
+    dashed. Prefill: ms per chunk against the prefix. Prompt: ms per prompt against its length."""
     try:
         import matplotlib
 
@@ -38,16 +38,21 @@ def write_chart(doc: dict[str, Any], path: Path) -> None:
         axes[0][0].legend(fontsize=7)
     else:
         fig, ax = plt.subplots(figsize=(6, 4))
-        pts = sorted(points, key=lambda p: p.get("prefix", p.get("context", 0)))
-        ctx = [p.get("prefix", p.get("context")) for p in pts]
+        key = "prompt" if doc["bench"] == "prompt" else "prefix"
+        pts = sorted(points, key=lambda p: p.get(key, p.get("context", 0)))
+        ctx = [p.get(key, p.get("context")) for p in pts]
         for name in pts[0]["timings"]:
             ax.plot(
                 ctx, [p["timings"][name]["median_us"] / 1e3 for p in pts], marker="o", label=name
             )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("prefix (tokens)")
-        ax.set_ylabel("ms per 2048-row chunk (median)")
+        if key == "prompt":
+            ax.set_xlabel("prompt (tokens)")
+            ax.set_ylabel("ms per prompt, one layer (median)")
+        else:
+            ax.set_xlabel("prefix (tokens)")
+            ax.set_ylabel("ms per 2048-row chunk (median)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title)

@@ -13,7 +13,7 @@ import sys
 SUBCOMMANDS = {
     "trace": ("mlx_qsa.trace", "run the trace profiles and write records in the reference schema"),
     "sweep": ("mlx_qsa.sweep", "GEMM tile sweep in the reference schema"),
-    "bench": ("mlx_qsa.bench", "decode / prefill timings of one layer beside its peers"),
+    "bench": ("mlx_qsa.bench", "decode / prefill / prompt timings of one layer beside its peers"),
 }
 
 
