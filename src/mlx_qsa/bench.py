@@ -852,19 +852,21 @@ def run_prompt(args: argparse.Namespace) -> dict[str, Any]:
                 lay = QSAAttention(cfg, options=opts, fused=4)
                 lay.update(base.parameters())
 
-                def step(i: int, lay=lay, xs=xs, widths=widths, log=None) -> mx.array:
+                def step(i: int, lay=lay, xs=xs, widths=widths, log=None) -> list[mx.array]:
+                    # The chunks' graphs, built in order and evaluated together by the pass:
+                    # an evaluation per chunk would run step 0 of a GPU-clock pass before its
+                    # first stamp (`mlx_gpu_pass`).
                     cache, r0, y = lay.make_cache(), 0, None
                     for w in widths:
                         y = lay(xs[i][:, r0 : r0 + w], cache=cache)
-                        mx.async_eval(y)  # the GPU starts on a chunk while the next is built
                         if log is not None:
                             c = lay.last_call
                             log.append([c.selector, *c.consumers])
                         r0 += w
-                    return y
+                    return [y, *cache.state]
 
                 routes[name] = []
-                last[name] = step(0, log=routes[name])
+                last[name] = step(0, log=routes[name])[0]
                 mx.eval(last[name])
                 passes[name] = mlx_pass(step, args.sets)
                 if impl == "cuda":
