@@ -90,6 +90,13 @@ def prefill_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _side_by_side(t: dict, cols: list[tuple[str, str]]) -> tuple[list[str], str]:
+    """ms cells of `cols` (defaults and large lane on the GPU clock, then both with an eval,
+    then torch), and the defaults ÷ large lane ratios (GPU clock / eval)."""
+    ms = [f"{t[c]['median_us'] / 1e3:.2f}" if c in t else "–" for c, _ in cols]
+    return ms, f"{_ratio(t, cols[0][0], cols[1][0])} / {_ratio(t, cols[2][0], cols[3][0])}"
+
+
 def _route(entry: dict) -> str:
     """An entry's selector and consumers, as the bench recorded them."""
     return f"{entry.get('selector', '?')} + {'/'.join(entry.get('consumers', []))}"
@@ -113,8 +120,7 @@ def large_table(doc: dict) -> str:
         t = p["timings"]
         if "qsa_cuda_layer_large" not in t:
             continue
-        ms = [f"{t[c]['median_us'] / 1e3:.2f}" if c in t else "–" for c, _ in cols]
-        gain = f"{_ratio(t, cols[0][0], cols[1][0])} / {_ratio(t, cols[2][0], cols[3][0])}"
+        ms, gain = _side_by_side(t, cols)
         lines.append(
             f"| {p['prefix'] // 1024}K | {_route(t['qsa_cuda_layer'])} → "
             f"{_route(t['qsa_cuda_layer_large'])} | " + " | ".join(ms) + f" | {gain} | "
@@ -147,11 +153,10 @@ def prompt_table(doc: dict) -> str:
     lines = [head, "|" + "---|" * (len(cols) + 5)]
     for p in doc["points"]:
         t = p["timings"]
-        ms = [f"{t[c]['median_us'] / 1e3:.2f}" if c in t else "–" for c, _ in cols]
+        ms, gain = _side_by_side(t, cols)
         routes = "; ".join(
             _routes(t[c]) for c in ("qsa_cuda_prompt", "qsa_cuda_prompt_large") if c in t
         )
-        gain = f"{_ratio(t, cols[0][0], cols[1][0])} / {_ratio(t, cols[2][0], cols[3][0])}"
         lines.append(
             f"| {p['prompt'] // 1024}K | {len(p['chunks'])} | {routes} | "
             + " | ".join(ms)

@@ -723,16 +723,30 @@ def _progress(rec: dict[str, Any]) -> None:
 # ---- prefill bench ------------------------------------------------------------------------------
 
 
-def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
-    """A 2048-row chunk after each prefix, whole layer (indexer, selection, attention, all
-    projections), with torch's dense causal SDPA over the same context as the peer."""
+def _layer_bench_setup(args: argparse.Namespace) -> tuple[QSAConfig, tuple[str, ...], QSAAttention]:
+    """The geometry, the implementations to time (CUDA and portable on CUDA, unless
+    `--portable-only`) and the bf16 layer whose weights every timed layer takes."""
     cfg = QSAConfig()
-    S = args.chunk
-    backend = backend_name()
-    impls = ("cuda", "portable") if backend == "cuda" and not args.portable_only else ("portable",)
+    cuda = backend_name() == "cuda" and not args.portable_only
     mx.random.seed(0)
     base = QSAAttention(cfg, fused=4)
     base.set_dtype(mx.bfloat16)
+    return cfg, ("cuda", "portable") if cuda else ("portable",), base
+
+
+def _layer_like(base: QSAAttention, routing: QSAOptions, impl: str) -> QSAAttention:
+    """A layer with `base`'s weights, `routing`'s options and the implementation `impl`."""
+    opts = routing.replace(kernels="auto" if impl == "cuda" else "portable")
+    lay = QSAAttention(base.config, options=opts, fused=4)
+    lay.update(base.parameters())
+    return lay
+
+
+def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
+    """A 2048-row chunk after each prefix, whole layer (indexer, selection, attention, all
+    projections), with torch's dense causal SDPA over the same context as the peer."""
+    cfg, impls, base = _layer_bench_setup(args)
+    S = args.chunk
     points = []
     for P in args.contexts:
         T = P + S
@@ -754,9 +768,7 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
             passes.update({f"qsa_{impl}_{k}": v for k, v in comp.items()})
             for suffix, routing in layer_options:
                 name = f"qsa_{impl}_layer{suffix}"
-                opts = routing.replace(kernels="auto" if impl == "cuda" else "portable")
-                lay = QSAAttention(cfg, options=opts, fused=4)
-                lay.update(base.parameters())
+                lay = _layer_like(base, routing, impl)
 
                 def step(i: int, lay=lay, xs=xs, caches=caches) -> mx.array:
                     y = lay(xs[i], cache=caches[i])
@@ -798,7 +810,7 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         points.append(rec)
         _progress_prefill(rec)
     body: dict[str, Any] = {"matmul_ceiling": matmul_ceiling(args.ceiling_n), "points": points}
-    if backend == "cuda":  # the attention's bytes against what a plain copy moves
+    if backend_name() == "cuda":  # the attention's bytes against what a plain copy moves
         body["copy_bandwidth"] = copy_bandwidth(args.copy_bytes)
     return body
 
@@ -831,12 +843,7 @@ def run_prompt(args: argparse.Namespace) -> dict[str, Any]:
     `--large-from`, with the large-prefill lane from that context (`prefill_layer_options`).
     The peer is torch's dense causal SDPA over the whole prompt in one call: attention only,
     which is its best case (no chunks, no projections)."""
-    cfg = QSAConfig()
-    backend = backend_name()
-    impls = ("cuda", "portable") if backend == "cuda" and not args.portable_only else ("portable",)
-    mx.random.seed(0)
-    base = QSAAttention(cfg, fused=4)
-    base.set_dtype(mx.bfloat16)
+    cfg, impls, base = _layer_bench_setup(args)
     points = []
     for n in args.contexts:
         widths = prompt_chunks(n, args.chunk)
@@ -848,9 +855,7 @@ def run_prompt(args: argparse.Namespace) -> dict[str, Any]:
         for impl in impls:
             for suffix, routing in prefill_layer_options(getattr(args, "large_from", None)):
                 name = f"qsa_{impl}_prompt{suffix}"
-                opts = routing.replace(kernels="auto" if impl == "cuda" else "portable")
-                lay = QSAAttention(cfg, options=opts, fused=4)
-                lay.update(base.parameters())
+                lay = _layer_like(base, routing, impl)
 
                 def step(i: int, lay=lay, xs=xs, widths=widths, log=None) -> list[mx.array]:
                     # The chunks' graphs, built in order and evaluated together by the pass:
