@@ -13,7 +13,8 @@
 # prefill: `mlx-qsa bench prefill` (whole-layer chunks; few samples; PREFILL_ARGS, e.g.
 #          "--contexts 32k,128k"; PREFILL_TIMEOUT)
 # prompt:  `mlx-qsa bench prompt` (whole prompts in chunks through one layer, defaults and the
-#          large-prefill lane; PROMPT_ARGS, default "--contexts 8k,32k --large-from 8192";
+#          large-prefill lane; PROMPT_ARGS, default "--contexts 8k,32k --large-from 8192
+#          --no-portable";
 #          PROMPT_TIMEOUT)
 # overhead: host µs per MLX primitive, CUDA graphs on and off (benchmarks/mlx_overhead.py)
 # quick:   a decode subset with CUDA graphs on and off
@@ -253,7 +254,7 @@ PY
       rc=$((rc | PIPESTATUS[0])) ;;
     prompt)
       timeout "${PROMPT_TIMEOUT:-400}" python3 -m mlx_qsa bench prompt --sets 2 --repeats 3 \
-        --warmup 1 ${PROMPT_ARGS:---contexts 8k,32k --large-from 8192} \
+        --warmup 1 ${PROMPT_ARGS:---contexts 8k,32k --large-from 8192 --no-portable} \
         --png "$OUT/prompt_$GPU_TAG.png" --out "$OUT/prompt_$GPU_TAG.json" 2>&1 \
         | tee "$OUT/prompt_run.log"
       rc=$((rc | PIPESTATUS[0])) ;;

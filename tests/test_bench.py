@@ -227,6 +227,14 @@ def test_prefill_layer_options() -> None:
         bench.run(_args("prefill", "--large-from", "-1"))
     with pytest.raises(SystemExit, match="--large-from applies to bench prefill and prompt"):
         bench.run(_args("decode", "--large-from", "8192"))
+    with pytest.raises(SystemExit, match="--no-portable applies to prefill and prompt"):
+        bench.run(_args("decode", "--no-portable"))
+    with pytest.raises(SystemExit, match="without --portable-only"):
+        bench.run(_args("prompt", "--no-portable", "--portable-only"))
+    # on CUDA only the CUDA entries; elsewhere the portable ones remain
+    args = _args("prompt", "--no-portable")
+    _, impls, _ = bench._layer_bench_setup(args)
+    assert impls == (("cuda",) if mx.cuda.is_available() else ("portable",))
 
 
 def test_prompt_document(tmp_path, turns, monkeypatch) -> None:

@@ -725,13 +725,17 @@ def _progress(rec: dict[str, Any]) -> None:
 
 def _layer_bench_setup(args: argparse.Namespace) -> tuple[QSAConfig, tuple[str, ...], QSAAttention]:
     """The geometry, the implementations to time (CUDA and portable on CUDA, unless
-    `--portable-only`) and the bf16 layer whose weights every timed layer takes."""
+    `--portable-only` or `--no-portable`) and the bf16 layer whose weights every timed layer
+    takes."""
     cfg = QSAConfig()
     cuda = backend_name() == "cuda" and not args.portable_only
+    impls = ("cuda", "portable") if cuda else ("portable",)
+    if cuda and getattr(args, "no_portable", False):
+        impls = ("cuda",)
     mx.random.seed(0)
     base = QSAAttention(cfg, fused=4)
     base.set_dtype(mx.bfloat16)
-    return cfg, ("cuda", "portable") if cuda else ("portable",), base
+    return cfg, impls, base
 
 
 def _layer_like(base: QSAAttention, routing: QSAOptions, impl: str) -> QSAAttention:
@@ -783,7 +787,7 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
                     passes[f"{name}_gpu"] = mlx_gpu_pass(step, args.sets)
         if len(layer_options) > 1:
             rec["large_from"] = layer_options[-1][1].effective_prefill_min_context
-        if "cuda" in outs:
+        if "cuda" in outs and "portable" in outs:
             rec["checks"] = prefill_checks(outs["cuda"], outs["portable"])
         del outs
         torch = _torch_cuda() if not args.no_torch else None
@@ -1236,6 +1240,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "attention entries then use its consumer), beside the library defaults",
     )
     p.add_argument("--portable-only", action="store_true")
+    p.add_argument(
+        "--no-portable",
+        action="store_true",
+        help="prefill, prompt: on CUDA time the CUDA entries only (no portable columns or "
+        "CUDA-against-portable checks; device time)",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     p.add_argument("--png", type=Path, default=None, help="chart to write (needs matplotlib)")
 
@@ -1254,6 +1264,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("bench: --large-from applies to bench prefill and prompt (without --tp)")
     if args.mode == "prompt" and (args.tp is not None or args.chunk < 1):
         raise SystemExit("bench prompt: needs --chunk >= 1 and no --tp")
+    if args.no_portable and (args.mode == "decode" or args.portable_only):
+        raise SystemExit(
+            "bench: --no-portable applies to prefill and prompt, without --portable-only"
+        )
     if large_from is not None and large_from < 0:
         raise SystemExit(f"bench: --large-from must be a context >= 0, got {large_from}")
     backend = backend_name()
