@@ -80,7 +80,7 @@ def selection_rows(sel) -> dict[str, np.ndarray]:
     out = {n: np.array(getattr(sel, n)) for n in names if getattr(sel, n) is not None}
     if "mask" in out:
         out["mask"] = out["mask"][0, 0]
-    return out
+    return {n: np.atleast_2d(a) for n, a in out.items()}  # a token list is one row
 
 
 def assert_selections_agree(a: Call, b: Call, cfg: QSAConfig, max_ulps: float = 8.0) -> int:
