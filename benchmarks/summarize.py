@@ -90,11 +90,28 @@ def prefill_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _side_by_side(t: dict, cols: list[tuple[str, str]]) -> tuple[list[str], str]:
-    """ms cells of `cols` (defaults and large lane on the GPU clock, then both with an eval,
-    then torch), and the defaults ÷ large lane ratios (GPU clock / eval)."""
+def _lane_cols(entry: str, ours: str, torch: str) -> list[tuple[str, str]]:
+    """The columns of a defaults-against-large-lane table: our `entry` with the library
+    defaults and with the large-prefill lane (`_large`), each on the GPU clock and with an
+    eval, then torch's dense causal SDPA (labelled `torch`)."""
+    return [
+        (f"{entry}_gpu", f"{ours}defaults, GPU clock"),
+        (f"{entry}_large_gpu", f"{ours}large lane, GPU clock"),
+        (entry, "defaults, eval"),
+        (f"{entry}_large", "large lane, eval"),
+        ("torch_dense_causal_sdpa", torch),
+    ]
+
+
+_LANE_HEAD = " | defaults ÷ large lane (GPU clock / eval) | torch ÷ large lane (GPU clock) |"
+
+
+def _side_by_side(t: dict, cols: list[tuple[str, str]]) -> str:
+    """A row's cells from the ms of `cols` (`_lane_cols`) on: the times, the defaults ÷ large
+    lane ratios (GPU clock / eval) and torch ÷ large lane (GPU clock)."""
     ms = [f"{t[c]['median_us'] / 1e3:.2f}" if c in t else "–" for c, _ in cols]
-    return ms, f"{_ratio(t, cols[0][0], cols[1][0])} / {_ratio(t, cols[2][0], cols[3][0])}"
+    gain = f"{_ratio(t, cols[0][0], cols[1][0])} / {_ratio(t, cols[2][0], cols[3][0])}"
+    return " | ".join(ms) + f" | {gain} | {_ratio(t, cols[4][0], cols[1][0])} |"
 
 
 def _route(entry: dict) -> str:
@@ -106,25 +123,16 @@ def large_table(doc: dict) -> str:
     """The layer with the library defaults against the layer with the large-prefill lane and
     `prefill_flash` from `large_from` on (`bench prefill --large-from`), ms, the routes each
     took, and torch's dense causal SDPA over the same context."""
-    cols = [
-        ("qsa_cuda_layer_gpu", "CUDA layer, defaults, GPU clock"),
-        ("qsa_cuda_layer_large_gpu", "CUDA layer, large lane, GPU clock"),
-        ("qsa_cuda_layer", "defaults, eval"),
-        ("qsa_cuda_layer_large", "large lane, eval"),
-        ("torch_dense_causal_sdpa", "torch dense causal (events)"),
-    ]
+    cols = _lane_cols("qsa_cuda_layer", "CUDA layer, ", "torch dense causal (events)")
     head = "| prefix | routes (defaults → large lane) | " + " | ".join(c[1] for c in cols)
-    head += " | defaults ÷ large lane (GPU clock / eval) | torch ÷ large lane (GPU clock) |"
-    lines = [head, "|" + "---|" * (len(cols) + 4)]
+    lines = [head + _LANE_HEAD, "|" + "---|" * (len(cols) + 4)]
     for p in doc["points"]:
         t = p["timings"]
         if "qsa_cuda_layer_large" not in t:
             continue
-        ms, gain = _side_by_side(t, cols)
         lines.append(
             f"| {p['prefix'] // 1024}K | {_route(t['qsa_cuda_layer'])} → "
-            f"{_route(t['qsa_cuda_layer_large'])} | " + " | ".join(ms) + f" | {gain} | "
-            f"{_ratio(t, 'torch_dense_causal_sdpa', cols[1][0])} |"
+            f"{_route(t['qsa_cuda_layer_large'])} | " + _side_by_side(t, cols)
         )
     return "\n".join(lines)
 
@@ -141,26 +149,14 @@ def _routes(entry: dict) -> str:
 def prompt_table(doc: dict) -> str:
     """`bench prompt`: a whole prompt through one layer, ms, with the library defaults and the
     large-prefill lane, against torch's dense causal SDPA over the whole prompt in one call."""
-    cols = [
-        ("qsa_cuda_prompt_gpu", "CUDA, defaults, GPU clock"),
-        ("qsa_cuda_prompt_large_gpu", "CUDA, large lane, GPU clock"),
-        ("qsa_cuda_prompt", "defaults, eval"),
-        ("qsa_cuda_prompt_large", "large lane, eval"),
-        ("torch_dense_causal_sdpa", "torch dense causal, one call (events)"),
-    ]
+    cols = _lane_cols("qsa_cuda_prompt", "CUDA, ", "torch dense causal, one call (events)")
     head = "| prompt | chunks | routes (defaults; large lane) | " + " | ".join(c[1] for c in cols)
-    head += " | defaults ÷ large lane (GPU clock / eval) | torch ÷ large lane (GPU clock) |"
-    lines = [head, "|" + "---|" * (len(cols) + 5)]
+    lines = [head + _LANE_HEAD, "|" + "---|" * (len(cols) + 5)]
     for p in doc["points"]:
         t = p["timings"]
-        ms, gain = _side_by_side(t, cols)
-        routes = "; ".join(
-            _routes(t[c]) for c in ("qsa_cuda_prompt", "qsa_cuda_prompt_large") if c in t
-        )
+        routes = "; ".join(_routes(t[c]) for c in (cols[2][0], cols[3][0]) if c in t)
         lines.append(
-            f"| {p['prompt'] // 1024}K | {len(p['chunks'])} | {routes} | "
-            + " | ".join(ms)
-            + f" | {gain} | {_ratio(t, 'torch_dense_causal_sdpa', cols[1][0])} |"
+            f"| {p['prompt'] // 1024}K | {len(p['chunks'])} | {routes} | " + _side_by_side(t, cols)
         )
     return "\n".join(lines)
 

@@ -730,7 +730,7 @@ def _layer_bench_setup(args: argparse.Namespace) -> tuple[QSAConfig, tuple[str, 
     cfg = QSAConfig()
     cuda = backend_name() == "cuda" and not args.portable_only
     impls = ("cuda", "portable") if cuda else ("portable",)
-    if cuda and getattr(args, "no_portable", False):
+    if cuda and args.no_portable:
         impls = ("cuda",)
     mx.random.seed(0)
     base = QSAAttention(cfg, fused=4)
@@ -751,6 +751,7 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     projections), with torch's dense causal SDPA over the same context as the peer."""
     cfg, impls, base = _layer_bench_setup(args)
     S = args.chunk
+    layer_options = prefill_layer_options(args.large_from)
     points = []
     for P in args.contexts:
         T = P + S
@@ -764,7 +765,6 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         outs = {}
         passes: dict[str, Callable[[], float]] = {}  # taken in turns (`time_in_turns`)
         consumers, selectors = {}, {}
-        layer_options = prefill_layer_options(getattr(args, "large_from", None))
         for impl in impls:
             comp, consumers[f"qsa_{impl}_attention"], outs[impl] = prefill_components(
                 cfg, sets, impl, layer_options[-1][1]
@@ -790,25 +790,17 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         if "cuda" in outs and "portable" in outs:
             rec["checks"] = prefill_checks(outs["cuda"], outs["portable"])
         del outs
-        torch = _torch_cuda() if not args.no_torch else None
-        if torch is not None:
-            passes["torch_dense_causal_sdpa"] = _torch_prefill(cfg, T, S, args)
-            # wall clock with a synchronize per step: the peer of our eval-per-step entries
-            passes["torch_dense_causal_sdpa_sync"] = _torch_prefill(cfg, T, S, args, sync=True)
+        if _torch_causal_peer(passes, rec, cfg, T, S, args):
             rec["flops"]["dense_causal_attention"] = (
                 4 * cfg.num_attention_heads * cfg.head_dim * (S * P + S * (S + 1) // 2)
             )
-        else:
-            rec["skipped"] = {"torch_dense_causal_sdpa": "torch with CUDA is not importable here"}
         t = rec["timings"]
         t.update(time_in_turns(passes, args.warmup, args.repeats, args.settle))
         for name, names in consumers.items():
             t[name]["consumers"] = names
         for name, selector in selectors.items():
             t[name]["selector"] = selector
-        for name in ("torch_dense_causal_sdpa", "torch_dense_causal_sdpa_sync"):
-            if name in t:
-                t[name]["note"] = "K/V expanded to 24 heads; lower-right causal mask"
+        _note_torch_causal(t, "K/V expanded to 24 heads; lower-right causal mask")
         del sets, passes, caches, xs
         release_device_memory()
         points.append(rec)
@@ -848,6 +840,7 @@ def run_prompt(args: argparse.Namespace) -> dict[str, Any]:
     The peer is torch's dense causal SDPA over the whole prompt in one call: attention only,
     which is its best case (no chunks, no projections)."""
     cfg, impls, base = _layer_bench_setup(args)
+    layer_options = prefill_layer_options(args.large_from)
     points = []
     for n in args.contexts:
         widths = prompt_chunks(n, args.chunk)
@@ -857,7 +850,7 @@ def run_prompt(args: argparse.Namespace) -> dict[str, Any]:
         routes: dict[str, list[list[str]]] = {}
         last: dict[str, mx.array] = {}
         for impl in impls:
-            for suffix, routing in prefill_layer_options(getattr(args, "large_from", None)):
+            for suffix, routing in layer_options:
                 name = f"qsa_{impl}_prompt{suffix}"
                 lay = _layer_like(base, routing, impl)
 
@@ -890,22 +883,12 @@ def run_prompt(args: argparse.Namespace) -> dict[str, Any]:
             }
             for name, y in last.items()
         }
-        torch = _torch_cuda() if not args.no_torch else None
-        if torch is not None:
-            H, d = cfg.num_attention_heads, cfg.head_dim
-            passes["torch_dense_causal_sdpa"] = torch_causal_pass(H, d, n, n, args.sets, cfg.scale)
-            passes["torch_dense_causal_sdpa_sync"] = torch_causal_pass(
-                H, d, n, n, args.sets, cfg.scale, sync_each=True
-            )
-        else:
-            rec["skipped"] = {"torch_dense_causal_sdpa": "torch with CUDA is not importable here"}
+        _torch_causal_peer(passes, rec, cfg, n, n, args)
         t = rec["timings"]
         t.update(time_in_turns(passes, args.warmup, args.repeats, args.settle))
         for name, names in routes.items():
             t[name]["routes"] = names
-        for name in ("torch_dense_causal_sdpa", "torch_dense_causal_sdpa_sync"):
-            if name in t:
-                t[name]["note"] = "the whole prompt in one call; K/V expanded to 24 heads"
+        _note_torch_causal(t, "the whole prompt in one call; K/V expanded to 24 heads")
         del xs, passes, last
         release_device_memory()
         points.append(rec)
@@ -1025,6 +1008,32 @@ def matmul_ceiling(n: int, repeats: int = 5) -> dict[str, Any]:
         mx.eval(a @ b)
         best = min(best, time.perf_counter() - t0)
     return {"n": n, "tflops": 2 * n**3 / best / 1e12}
+
+
+def _torch_causal_peer(
+    passes: dict[str, Callable[[], float]],
+    rec: dict[str, Any],
+    cfg: QSAConfig,
+    T: int,
+    S: int,
+    args: argparse.Namespace,
+) -> bool:
+    """Add torch's dense causal SDPA of S rows over T tokens to `passes`, queued (CUDA events)
+    and with a synchronize per step (the peer of our eval-per-step entries); or record in `rec`
+    why it is absent. Whether it was added."""
+    if args.no_torch or _torch_cuda() is None:
+        rec["skipped"] = {"torch_dense_causal_sdpa": "torch with CUDA is not importable here"}
+        return False
+    passes["torch_dense_causal_sdpa"] = _torch_prefill(cfg, T, S, args)
+    passes["torch_dense_causal_sdpa_sync"] = _torch_prefill(cfg, T, S, args, sync=True)
+    return True
+
+
+def _note_torch_causal(t: dict[str, Any], note: str) -> None:
+    """Put `note` on the torch entries that ran."""
+    for name in ("torch_dense_causal_sdpa", "torch_dense_causal_sdpa_sync"):
+        if name in t:
+            t[name]["note"] = note
 
 
 def _torch_prefill(
@@ -1259,7 +1268,7 @@ def run(args: argparse.Namespace) -> int:
         args.ceiling_n = 8192 if backend_name() == "cuda" else 1024
     if args.sets < 1 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("bench: --sets and --repeats must be >= 1, --warmup >= 0")
-    large_from = getattr(args, "large_from", None)
+    large_from = args.large_from
     if large_from is not None and (args.mode == "decode" or args.tp is not None):
         raise SystemExit("bench: --large-from applies to bench prefill and prompt (without --tp)")
     if args.mode == "prompt" and (args.tp is not None or args.chunk < 1):
