@@ -24,5 +24,7 @@ for row in range(0, S, 16):
     a = np.sort(float64_scores(s, row, nb))[::-1]
     gaps.append((a[511] - a[512]) / float(np.spacing(np.float32(a[511]))))
 g = np.array(gaps)
-print(f"rows {len(g)}: median {np.median(g):.0f} ulps; percentiles 1/5/25: "
-      f"{np.percentile(g, [1, 5, 25]).round(1).tolist()}; under 2 ulps: {(g < 2).sum()}")
+print(
+    f"rows {len(g)}: median {np.median(g):.0f} ulps; percentiles 1/5/25: "
+    f"{np.percentile(g, [1, 5, 25]).round(1).tolist()}; under 2 ulps: {(g < 2).sum()}"
+)
