@@ -44,8 +44,9 @@
 #          (benchmarks/selection_diff.py; SELDIFF_PREFIXES, default 16384; SELDIFF_SETS, default 2)
 # stamptest: the GPU timer stamp (test_cuda_stamp.py) and the bench document tests
 # timeline: benchmarks/timeline.py (CUPTI timeline of decode and prefill steps; TIMELINE_ARGS)
-# Test steps append each failure's report to $OUT/failures.txt as it happens (QSA_FAIL_LOG,
-# tests/conftest.py): a call stopped at its limit still says why a test failed.
+# Test steps run under TEST_TIMEOUT seconds each (default 420) and append each failure's report
+# to $OUT/failures.txt as it happens (QSA_FAIL_LOG, tests/conftest.py): a call stopped at its
+# limit still says why a test failed.
 # Everything goes under $OUT; files are named after the card (h100, h200). nvidia-smi samples
 # clocks, power and throttle reasons every 200 ms into smi.csv. TAR=1 packs $OUT into one file
 # (the device returns at most 8 a call).
@@ -71,28 +72,28 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 for what in "$@"; do
   case "$what" in
     tests)  # the decode kernels' tests; `tests2` has the rest
-      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_decode.py 2>&1 | tee "$OUT/tests.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     tests2)  # prefill kernels, the CUDA layer, RoPE, RMSNorm, bench, turns:
              # `tests` and these overran one 420 s step together (2026-12-07)
-      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_prefill.py tests/test_cuda_layer.py tests/test_cuda_rope.py \
         tests/test_cuda_rms_norm.py tests/test_bench.py tests/test_turns.py 2>&1 \
         | tee "$OUT/tests2.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     tests2b)  # the second half of tests2
-      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_rope.py tests/test_cuda_rms_norm.py tests/test_bench.py \
         tests/test_turns.py 2>&1 | tee "$OUT/tests2b.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     gemmtests)  # the GEMM families' tests (~170 s on an H200): `tests` and these do not fit
                 # one 600 s call together
-      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_gemm_cuda.py tests/test_sweep.py 2>&1 | tee "$OUT/gemmtests.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     ptests)
-      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_prefill.py tests/test_cuda_layer.py 2>&1 | tee "$OUT/ptests.log" | tail -40
       rc=$((rc | PIPESTATUS[0])) ;;
     sdpa|sdpaquick|sdpatests)
@@ -177,7 +178,7 @@ PY
           | tee "$OUT/prefill_parts_graphs$g.log"
       done ;;
     ktests)
-      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_prefill.py \
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_prefill.py \
         tests/test_cuda_layer.py -k "prefill or chunk" 2>&1 | tee "$OUT/ktests.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     parts)
@@ -234,7 +235,7 @@ PY
         ${SELSWEEP_ARGS:-} 2>&1 | tee "$OUT/select_sweep.log" | tail -8
       rc=$((rc | PIPESTATUS[0])) ;;
     divtests)  # the score division (common.cuh div_sqrt128) and the selections it scores
-      timeout 420 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
         tests/test_cuda_exact_div.py tests/test_cuda_decode.py tests/test_cuda_prefill.py \
         -k "exact_div or select or exact_dots or chunks or many_rows or scores_plane" 2>&1 \
         | tee "$OUT/divtests.log" | tail -8
