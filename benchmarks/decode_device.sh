@@ -43,6 +43,8 @@
 # seldiff: rows whose CUDA prefill selection differs from the portable one, with float64 scores
 #          (benchmarks/selection_diff.py; SELDIFF_PREFIXES, default 16384; SELDIFF_SETS, default 2)
 # stamptest: the GPU timer stamp (test_cuda_stamp.py) and the bench document tests
+# compileab: the decode step (selection + attention) eager against mx.compile'd, in turns, with
+#          its graph build alone (benchmarks/compile_ab.py; COMPILEAB_ARGS, e.g. "--points 131072x1")
 # timeline: benchmarks/timeline.py (CUPTI timeline of decode and prefill steps; TIMELINE_ARGS)
 # Test steps run under TEST_TIMEOUT seconds each (default 420) and append each failure's report
 # to $OUT/failures.txt as it happens (QSA_FAIL_LOG, tests/conftest.py): a call stopped at its
@@ -252,6 +254,10 @@ PY
     timeline)  # a CUPTI timeline (torch.profiler) of sync decode steps and a prefill chunk's parts
       timeout "${TIMELINE_TIMEOUT:-240}" python3 benchmarks/timeline.py "$OUT/timeline" ${TIMELINE_ARGS:-} \
         2>&1 | tee "$OUT/timeline.log" | tail -80
+      rc=$((rc | PIPESTATUS[0])) ;;
+    compileab)  # the decode step eager against mx.compile'd, in turns (benchmarks/compile_ab.py)
+      timeout "${COMPILEAB_TIMEOUT:-400}" python3 benchmarks/compile_ab.py "$OUT/compile_ab_$GPU_TAG.json" \
+        ${COMPILEAB_ARGS:-} 2>&1 | tee "$OUT/compile_ab.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     prompt)
       timeout "${PROMPT_TIMEOUT:-400}" python3 -m mlx_qsa bench prompt --sets 2 --repeats 3 \

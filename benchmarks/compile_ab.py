@@ -1,0 +1,175 @@
+"""The CUDA decode step (selection + attention, `bench.qsa_step`) eager against `mx.compile`d,
+in turns, on the GPU: does a compiled step cut the host work per step (issue 5: the 1-row step
+is bound by MLX's host work)?
+
+Entries, each by eval per step (`mlx_pass`) and queued on the GPU's clock (`mlx_gpu_pass`):
+- `eager`: `bench.qsa_step` as the bench times it (Python launchers, two `cuda_kernel` calls);
+- `compiled_select`: the selection in one compiled function (as the layer's compiled core runs
+  it), the attention eager;
+- `compiled_step`: selection and attention in one compiled function.
+The one-launch kernels' counter slots are inputs of the compiled functions (a fresh slot per
+call, as eager calls take them), so queued replays never share one. Outputs and selections are
+compared bit for bit with the eager step's. Also the graph build alone (the call, no eval), µs.
+
+    python3 benchmarks/compile_ab.py OUT.json [--points 131072x1,131072x4,8192x1] [--sets 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+from mlx_qsa import bench
+from mlx_qsa.config import QSAConfig
+from mlx_qsa.kernels import _launch
+
+
+@contextlib.contextmanager
+def slots_from(ctrs: list[mx.array]):
+    """`_launch.counter_slot` hands out `ctrs` in order (the compiled function's inputs)."""
+    it = iter(ctrs)
+    orig = _launch.counter_slot
+    _launch.counter_slot = lambda: next(it)
+    try:
+        yield
+    finally:
+        _launch.counter_slot = orig
+
+
+def sel_arrays(sel) -> list[mx.array]:
+    if sel.kind == "blocks":
+        return [sel.ids, sel.valid, sel.scores]
+    return [sel.slots, sel.slot_valid]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--points", default="131072x1,131072x4,8192x1")
+    ap.add_argument("--sets", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--build-steps", type=int, default=200)
+    args = ap.parse_args()
+    if not mx.cuda.is_available():
+        print("compile_ab: needs MLX's CUDA backend", file=sys.stderr)
+        return 2
+    cfg = QSAConfig()
+    doc = {"environment": bench.environment("cuda"), "command": " ".join(sys.argv),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "points": []}  # fmt: skip
+    for spec in args.points.split(","):
+        T, rows = (int(v) for v in spec.split("x"))
+        doc["points"].append(run_point(cfg, T, rows, args))
+        bench.release_device_memory()
+    with open(args.out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    return 0 if all(all(p["checks"].values()) for p in doc["points"]) else 1
+
+
+def run_point(cfg: QSAConfig, T: int, rows: int, args: argparse.Namespace) -> dict:
+    sets = [bench.DecodeSet(cfg, T, rows, seed) for seed in range(args.sets)]
+    s0 = sets[0]
+
+    def eager(s):
+        o, sel = bench.qsa_step(cfg, s, "cuda")
+        return [o, *sel_arrays(sel)]
+
+    def select_only(index_q, pooled, positions, ctr):
+        s = _View(s0, index_q=index_q, pooled=pooled, positions=positions)
+        with slots_from([ctr]):
+            sel = _select(cfg, s)
+        return sel_arrays(sel)
+
+    def whole(index_q, pooled, positions, q, keys, values, ctr1, ctr2):
+        s = _View(s0, index_q=index_q, pooled=pooled, positions=positions, q=q, keys=keys,
+                  values=values)  # fmt: skip
+        with slots_from([ctr1, ctr2]):
+            o, sel = bench.qsa_step(cfg, s, "cuda")
+        return [o, *sel_arrays(sel)]
+
+    c_select = mx.compile(select_only)
+    c_whole = mx.compile(whole)
+
+    def compiled_select(s):
+        sel = c_select(s.index_q, s.pooled, s.positions, _launch.counter_slot())
+        return [_attend(cfg, s, sel), *sel]
+
+    def compiled_step(s):
+        return c_whole(s.index_q, s.pooled, s.positions, s.q, s.keys, s.values,
+                       _launch.counter_slot(), _launch.counter_slot())  # fmt: skip
+
+    forms = {"eager": eager, "compiled_select": compiled_select, "compiled_step": compiled_step}
+    rec = {"context": T, "rows": rows, "checks": {}, "build_us": {}}
+    ref = [eager(s) for s in sets]
+    mx.eval(ref)
+    for name, f in forms.items():
+        got = [f(s) for s in sets]
+        mx.eval(got)
+        rec["checks"][name] = all(
+            mx.array_equal(a, b).item()
+            for g, r in zip(got, ref, strict=True)
+            for a, b in zip(g, r, strict=True)
+        )
+    for name, f in forms.items():
+        ts = []
+        for i in range(args.build_steps):
+            t0 = time.perf_counter()
+            out = f(sets[i % len(sets)])
+            ts.append(time.perf_counter() - t0)
+            mx.eval(out)
+        rec["build_us"][name] = statistics.median(ts) * 1e6
+    passes = {}
+    for name, f in forms.items():
+
+        def step(i: int, f=f):
+            return f(sets[i])
+
+        passes[name] = bench.mlx_pass(step, len(sets))
+        passes[f"{name}_gpu"] = bench.mlx_gpu_pass(step, len(sets))
+    rec["timings"] = bench.time_in_turns(passes, 2, args.repeats, 1.0)
+    line = " ".join(f"{k}={v['median_us']:.1f}" for k, v in rec["timings"].items())
+    print(f"T={T} rows={rows} build={rec['build_us']} checks={rec['checks']} {line}", flush=True)
+    return rec
+
+
+class _View:
+    """A DecodeSet with some arrays replaced (the compiled functions' tracers)."""
+
+    def __init__(self, base, **arrays) -> None:
+        self.__dict__.update(base.__dict__)
+        self.__dict__.update(arrays)
+
+
+def _select(cfg: QSAConfig, s):
+    """The selection half of `bench.qsa_step` (its CUDA form)."""
+    r, K = cfg.indexer_compress_ratio, cfg.block_topk
+    args = (s.index_q, None, None, s.positions, r, K, s.rows, s.pooled, "cuda")
+    if s.rows == 1:
+        ids, valid, scores = bench.select_rows(*args)
+        return bench.Selection("blocks", ids=ids, valid=valid, scores=scores,
+                               tail_start=s.T // r * r)  # fmt: skip
+    slots, slot_valid = bench.select_row_tokens(*args)
+    return bench.Selection("row_tokens", slots=slots, slot_valid=slot_valid)
+
+
+def _attend(cfg: QSAConfig, s, sel_list: list[mx.array]) -> mx.array:
+    """The attention half of `bench.qsa_step`, from the selection's arrays."""
+    r, K = cfg.indexer_compress_ratio, cfg.block_topk
+    if s.rows == 1:
+        ids, valid, scores = sel_list
+        sel = bench.Selection("blocks", ids=ids, valid=valid, scores=scores,
+                              tail_start=s.T // r * r)  # fmt: skip
+    else:
+        sel = bench.Selection("row_tokens", slots=sel_list[0], slot_valid=sel_list[1])
+    cplan = bench._consumer_plan(bench.plan.CallShape(s.rows, s.T - s.rows, r, K), sel.kind)
+    return bench.dispatch(cplan, s.q, s.keys, s.values, sel, s.positions, s.T, r, cfg.scale,
+                          "cuda")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
