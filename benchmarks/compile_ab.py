@@ -3,9 +3,12 @@ in turns, on the GPU: does a compiled step cut the host work per step (issue 5: 
 is bound by MLX's host work)?
 
 Entries, each by eval per step (`mlx_pass`) and queued on the GPU's clock (`mlx_gpu_pass`):
-- `eager`: `bench.qsa_step` as the bench times it (Python launchers, two `cuda_kernel` calls);
+- `eager`: `bench.qsa_step` with ``MLX_QSA_COMPILE_DECODE=0`` (Python launchers, two
+  `cuda_kernel` calls a step);
 - `compiled_select`: the selection in one compiled function (as the layer's compiled core runs
-  it), the attention eager;
+  it), the attention's launcher eager (``MLX_QSA_COMPILE_DECODE=0``);
+- `compiled_two`: the same selection, the attention through `consumers.decode_launch`'s
+  compiled function (the library default);
 - `compiled_step`: selection and attention in one compiled function.
 The one-launch kernels' counter slots are inputs of the compiled functions (a fresh slot per
 call, as eager calls take them), so queued replays never share one. Outputs and selections are
@@ -28,6 +31,8 @@ import mlx.core as mx
 from mlx_qsa import bench
 from mlx_qsa.config import QSAConfig
 from mlx_qsa.kernels import _launch
+
+SWITCH = "MLX_QSA_COMPILE_DECODE"
 
 
 @contextlib.contextmanager
@@ -103,11 +108,19 @@ def run_point(cfg: QSAConfig, T: int, rows: int, args: argparse.Namespace) -> di
         return c_whole(s.index_q, s.pooled, s.positions, s.q, s.keys, s.values,
                        _launch.counter_slot(), _launch.counter_slot())  # fmt: skip
 
-    forms = {"eager": eager, "compiled_select": compiled_select, "compiled_step": compiled_step}
+    # form: (step, MLX_QSA_COMPILE_DECODE while it runs: "0" = the attention's launcher eager)
+    forms = {
+        "eager": (eager, "0"),  # the bench's step before decode_launch
+        "compiled_select": (compiled_select, "0"),  # the layer before: its core compiled
+        "compiled_two": (compiled_select, None),  # the library now: + decode_launch compiled
+        "compiled_step": (compiled_step, "0"),  # one compiled function of both
+    }
     rec = {"context": T, "rows": rows, "checks": {}, "build_us": {}}
+    bench.set_switch(SWITCH, "0")
     ref = [eager(s) for s in sets]
     mx.eval(ref)
-    for name, f in forms.items():
+    for name, (f, value) in forms.items():
+        bench.set_switch(SWITCH, value)
         got = [f(s) for s in sets]
         mx.eval(got)
         rec["checks"][name] = all(
@@ -115,7 +128,8 @@ def run_point(cfg: QSAConfig, T: int, rows: int, args: argparse.Namespace) -> di
             for g, r in zip(got, ref, strict=True)
             for a, b in zip(g, r, strict=True)
         )
-    for name, f in forms.items():
+    for name, (f, value) in forms.items():
+        bench.set_switch(SWITCH, value)
         ts = []
         for i in range(args.build_steps):
             t0 = time.perf_counter()
@@ -124,14 +138,21 @@ def run_point(cfg: QSAConfig, T: int, rows: int, args: argparse.Namespace) -> di
             mx.eval(out)
         rec["build_us"][name] = statistics.median(ts) * 1e6
     passes = {}
-    for name, f in forms.items():
+    for name, (f, value) in forms.items():
 
         def step(i: int, f=f):
             return f(sets[i])
 
-        passes[name] = bench.mlx_pass(step, len(sets))
-        passes[f"{name}_gpu"] = bench.mlx_gpu_pass(step, len(sets))
+        for key, one in ((name, bench.mlx_pass(step, len(sets))),
+                         (f"{name}_gpu", bench.mlx_gpu_pass(step, len(sets)))):  # fmt: skip
+
+            def timed(one=one, value=value) -> float:
+                bench.set_switch(SWITCH, value)
+                return one()
+
+            passes[key] = timed
     rec["timings"] = bench.time_in_turns(passes, 2, args.repeats, 1.0)
+    bench.set_switch(SWITCH, None)
     line = " ".join(f"{k}={v['median_us']:.1f}" for k, v in rec["timings"].items())
     print(f"T={T} rows={rows} build={rec['build_us']} checks={rec['checks']} {line}", flush=True)
     return rec

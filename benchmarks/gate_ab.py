@@ -5,6 +5,7 @@ timed in turns over the same rotated caches, one `mx.eval` per step and queued. 
 mode's primitive count and checks that the two modes' outputs are the same bits.
 
     python3 benchmarks/gate_ab.py OUT.json [--contexts 8k,128k] [--rows 1,4] [--sets 8]
+        [--switch MLX_QSA_COMPILE_DECODE]   # another switch, timed the same way (modes on / off)
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from mlx_qsa.config import QSAConfig, QSAOptions
 from mlx_qsa.layer import QSAAttention
 
 SWITCH = "MLX_QSA_FUSE_GATE"
-MODES = {"fused": None, "unfused": "0"}
+# `--switch` names another of the library's on-by-default MLX_QSA_* switches to time the same way
+# (e.g. MLX_QSA_COMPILE_DECODE: the decode consumers' launches compiled or not); modes on / off
+NAMES = {"MLX_QSA_FUSE_GATE": ("fused", "unfused")}
 
 
-def set_mode(mode: str) -> None:
-    """Switch the output gate's fusion for the next steps (MLX_QSA_FUSE_GATE, re-read)."""
-    bench.set_switch(SWITCH, MODES[mode])
+def modes_of(switch: str) -> dict[str, str | None]:
+    on, off = NAMES.get(switch, ("on", "off"))
+    return {on: None, off: "0"}
 
 
 def main() -> None:
@@ -39,14 +42,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--settle", type=float, default=1.0)
+    p.add_argument("--switch", default=SWITCH)
     a = p.parse_args()
+    modes = modes_of(a.switch)
+    on, off = modes
     cfg = QSAConfig()
     mx.random.seed(0)
     layer = QSAAttention(cfg, options=QSAOptions(kernels="auto"), fused=4)
     layer.set_dtype(mx.bfloat16)
     mx.eval(layer.parameters())
     doc = {
-        "what": "CUDA layer decode step, output gate fused vs MLX_QSA_FUSE_GATE=0, in turns",
+        "what": f"CUDA layer decode step, {a.switch} unset vs {a.switch}=0, in turns",
         "environment": sweep.environment(sweep.backend_name()),
         "command": " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -61,15 +67,15 @@ def main() -> None:
             rec = {"context": T, "rows": rows, "primitives": {}, "timings": {}}
             outs = {}
             step = bench.decode_layer_step(layer, xs, caches, rows)
-            for mode in MODES:
-                set_mode(mode)
+            for mode, value in modes.items():
+                bench.set_switch(a.switch, value)
                 mx.eval(step(0))
                 y = step(0)  # counted before it runs: the second call on this cache, as timed
                 rec["primitives"][mode] = bench.primitive_counts(y)["total"]
                 rec["consumers"] = list(layer.last_call.consumers)
                 outs[mode] = np.array(y.view(mx.uint16))
-            rec["same_bits"] = bool(np.array_equal(outs["fused"], outs["unfused"]))
-            passes = bench.switched_passes(step, a.sets, SWITCH, MODES, queued=True)
+            rec["same_bits"] = bool(np.array_equal(outs[on], outs[off]))
+            passes = bench.switched_passes(step, a.sets, a.switch, modes, queued=True)
             res = bench.time_in_turns(passes, a.warmup, a.repeats, a.settle)
             rec["timings"] = {k: v["median_us"] for k, v in res.items()}
             rec["samples_us"] = {k: v["samples_us"] for k, v in res.items()}
@@ -77,12 +83,12 @@ def main() -> None:
             t = rec["timings"]
             print(
                 f"T={T} rows={rows} {rec['consumers']} primitives {rec['primitives']} "
-                f"same bits {rec['same_bits']} | sync fused {t['fused']:.1f} unfused "
-                f"{t['unfused']:.1f} us | queued fused {t['fused_queued']:.1f} unfused "
-                f"{t['unfused_queued']:.1f} us",
+                f"same bits {rec['same_bits']} | sync {on} {t[on]:.1f} {off} "
+                f"{t[off]:.1f} us | queued {on} {t[on + '_queued']:.1f} {off} "
+                f"{t[off + '_queued']:.1f} us",
                 flush=True,
             )
-    set_mode("fused")
+    bench.set_switch(a.switch, None)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
 

@@ -215,6 +215,51 @@ def test_flash_portable(H, Hkv, d, K, T, n_valid):
     assert rel_err(got, ref) < REL_TOL
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "switch_off"])
+def test_decode_launch_runs_the_launcher_with_a_fresh_counter_slot(
+    monkeypatch, set_switch, compiled
+):
+    """`consumers.decode_launch`: the decode consumer's launcher as an `mx.compile`d function of
+    the call's arrays and a counter slot, traced once per shape; each call hands it a new slot
+    as an input (a constant of the trace would be shared by queued replays), and the result is
+    the launcher's own. With MLX_QSA_COMPILE_DECODE=0 every call runs the launcher. Any machine:
+    a stand-in launcher (the portable twin, plus the slot's first value so that the output
+    shows which slot it got) replaces the CUDA one."""
+    from mlx_qsa import consumers
+    from mlx_qsa.kernels import _launch
+    from mlx_qsa.kernels import flash_decode as fd
+
+    traced = []
+
+    def launcher(q, keys, values, ids, valid, *, scale, ratio, pos, gate, ctr):
+        traced.append(gate is not None)
+        o = fd.flash_decode_portable(q, keys, values, ids, valid, pos + 1, scale=scale, ratio=ratio)
+        return o + ctr[0].astype(o.dtype)
+
+    slots = iter([mx.array([1, 0], mx.int32), mx.array([2, 0], mx.int32)])
+    monkeypatch.setattr(fd, "flash_decode_cuda", launcher)
+    monkeypatch.setattr(_launch, "counter_slot", lambda: next(slots))
+    set_switch("MLX_QSA_COMPILE_DECODE", None if compiled else "0")
+    consumers._decode_fn.cache_clear()  # the stand-in, not a launcher another test compiled
+    try:
+        rng = np.random.default_rng(71)
+        T = 50
+        q, _, _, km, vm = small_attention_inputs(rng, 4, 2, 64, 64, T)
+        ids, valid = block_list(rng, 8, T // 4, 6)
+        args = (bf16(q[None, :, None]), km, vm, mx.array(ids), mx.array(valid))
+        pos = mx.array([T - 1], mx.int32)
+        run = consumers.decode_launch("flash", 0.125, 4, False)
+        outs = [run(*args, pos) for _ in range(2)]
+        assert traced == ([False] if compiled else [False, False])
+        want = fd.flash_decode_portable(*args, pos + 1, scale=0.125, ratio=4)
+        for o, slot in zip(outs, (1, 2), strict=True):
+            np.testing.assert_array_equal(to_np(o), to_np(want + slot))
+        with pytest.raises(ValueError, match="kind must be 'flash' or 'rows_gather'"):
+            consumers.decode_launch("sdpa", 0.125, 4, False)
+    finally:
+        consumers._decode_fn.cache_clear()
+
+
 def test_rows_gather_portable():
     rng = np.random.default_rng(13)
     H, Hkv, d, cap, T, K = 4, 2, 64, 128, 97, 8

@@ -16,8 +16,9 @@ import pytest
 from conftest import hidden_rows, small_config
 from test_layer import Run, assert_selections_agree, build, check_call, check_states
 
+from mlx_qsa import consumers as consumers_module
 from mlx_qsa.config import QSAOptions
-from mlx_qsa.kernels import flash_decode, rows_gather, selector
+from mlx_qsa.kernels import rows_gather, selector
 
 HAS_CUDA = mx.cuda.is_available()
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend on an NVIDIA GPU")
@@ -70,17 +71,29 @@ def _selection_arrays(sel) -> dict[str, np.ndarray]:
     return {n: np.array(getattr(sel, n)) for n in names if getattr(sel, n) is not None}
 
 
+def _count_decode_launches(monkeypatch) -> list[tuple[str, bool]]:
+    """(kind, gated) of every `consumers.decode_launch` (the flash / rows-gather kernels' launch,
+    one a call; the launchers themselves run only while their compiled function traces)."""
+    seen = []
+    real = consumers_module.decode_launch
+
+    def counted(kind, scale, ratio, gated):
+        seen.append((kind, gated))
+        return real(kind, scale, ratio, gated)
+
+    monkeypatch.setattr(consumers_module, "decode_launch", counted)
+    return seen
+
+
 def test_layer_uses_the_kernels_and_matches_the_oracle(spy, monkeypatch) -> None:
     n_sel = _count_calls(monkeypatch, selector, "select_blocks_cuda")
-    n_flash = _count_calls(monkeypatch, flash_decode, "flash_decode_cuda")
-    n_rows = _count_calls(monkeypatch, rows_gather, "rows_gather_cuda")
+    launches = _count_decode_launches(monkeypatch)
     run = _run(spy, "auto")
     consumers = [c.consumers[0] for c in run.calls]
     assert "flash" in consumers and "rows_gather" in consumers
     assert all(c.seen.impl == "cuda" for c in run.calls)
-    assert n_flash[0] == consumers.count("flash")
-    assert n_rows[0] == consumers.count("rows_gather")
-    # compiled graphs call the launcher only while tracing, eager calls every time
+    assert [k for k, _ in launches] == [c for c in consumers if c in ("flash", "rows_gather")]
+    # compiled graphs call the launchers only while tracing, eager calls every time
     assert n_sel[0] >= 1
     for call in run.calls:
         check_call(call, CFG, run.weights, mx.bfloat16)
@@ -203,29 +216,38 @@ def test_fused_output_gate_keeps_the_layer_bit_for_bit(spy, monkeypatch, set_swi
     """The decode consumers' kernels apply the output gate in their merge by default; with
     MLX_QSA_FUSE_GATE=0 MLX's sigmoid and multiply do it. Every call's output is the same bits,
     compiled and eager, and the fused run really passed the gate to the kernels."""
-    gated = {"flash": 0, "rows": 0}
-
-    def counting(module, name, key):
-        real = getattr(module, name)
-
-        def call(*args, **kwargs):
-            gated[key] += kwargs.get("gate") is not None
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, call)
-
-    counting(flash_decode, "flash_decode_cuda", "flash")
-    counting(rows_gather, "rows_gather_cuda", "rows")
+    launches = _count_decode_launches(monkeypatch)
     for compiled in (True, False):
         set_switch("MLX_QSA_FUSE_GATE", None)
-        before = dict(gated)
+        launches.clear()
         fused = _run(spy, "auto", compiled=compiled)
-        assert gated["flash"] > before["flash"] and gated["rows"] > before["rows"]
+        assert ("flash", True) in launches and ("rows_gather", True) in launches
+        assert all(gated for _, gated in launches)
         set_switch("MLX_QSA_FUSE_GATE", "0")
-        before = dict(gated)
+        launches.clear()
         unfused = _run(spy, "auto", compiled=compiled)
-        assert gated == before  # no kernel got the gate
+        assert launches and not any(gated for _, gated in launches)  # no kernel got the gate
         for a, b in zip(fused.calls, unfused.calls, strict=True):
+            assert (a.P, a.S, a.consumers) == (b.P, b.S, b.consumers)
+            np.testing.assert_array_equal(
+                np.array(a.y.view(mx.uint16)),
+                np.array(b.y.view(mx.uint16)),
+                err_msg=f"S{a.S}@{a.P} compiled={compiled}",
+            )
+
+
+def test_compiled_decode_launches_keep_the_layer_bit_for_bit(spy, set_switch) -> None:
+    """The decode consumers' launches run as compiled functions by default
+    (`consumers.decode_launch`); with MLX_QSA_COMPILE_DECODE=0 the launchers run directly. Over
+    the schedule (dense, first sparse token, decode, verifies, a trim), with the compiled core
+    and without, every call's output is the same bits."""
+    for compiled in (True, False):
+        set_switch("MLX_QSA_COMPILE_DECODE", None)
+        on = _run(spy, "auto", compiled=compiled)
+        set_switch("MLX_QSA_COMPILE_DECODE", "0")
+        off = _run(spy, "auto", compiled=compiled)
+        assert {c.consumers[0] for c in on.calls} >= {"flash", "rows_gather"}
+        for a, b in zip(on.calls, off.calls, strict=True):
             assert (a.P, a.S, a.consumers) == (b.P, b.S, b.consumers)
             np.testing.assert_array_equal(
                 np.array(a.y.view(mx.uint16)),

@@ -10,6 +10,7 @@ kernel); the plan itself never depends on `impl`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -111,26 +112,65 @@ def dispatch(
     return output_gate(o, gate)
 
 
+def decode_launch(kind: str, scale: float, ratio: int, gated: bool) -> Callable[..., mx.array]:
+    """The launch of a decode consumer's CUDA kernel (`kind` "flash": q, keys, values, block
+    ids, block validity, positions; "rows_gather": q, keys, values, slots, slot validity; then
+    the gate's logits if `gated`). An `mx.compile`d function of those arrays and the
+    one-launch merge's counter slot (a fresh slot per call, as an input: queued replays never
+    share one), so a step replays one recorded primitive instead of running the launcher's
+    Python and MLX's kernel call again; ``MLX_QSA_COMPILE_DECODE=0`` runs the launcher
+    directly (the same bits, for side-by-side timing)."""
+    from ..kernels._launch import compile_decode_env, counter_slot
+
+    fn = _decode_fn(kind, scale, ratio, gated, compile_decode_env())
+    return lambda *arrays: fn(*arrays, counter_slot())
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_fn(kind: str, scale: float, ratio: int, gated: bool, compiled: bool) -> Callable:
+    from ..kernels.flash_decode import flash_decode_cuda
+    from ..kernels.rows_gather import rows_gather_cuda
+
+    if kind == "flash":
+
+        def run(q, keys, values, ids, valid, positions, *rest):
+            gate, ctr = (rest[0] if gated else None), rest[-1]
+            return flash_decode_cuda(
+                q, keys, values, ids, valid, scale=scale, ratio=ratio, pos=positions, gate=gate,
+                ctr=ctr,
+            )  # fmt: skip
+
+    elif kind == "rows_gather":
+
+        def run(q, keys, values, slots, slot_valid, *rest):
+            gate, ctr = (rest[0] if gated else None), rest[-1]
+            return rows_gather_cuda(
+                q, keys, values, slots, slot_valid, scale=scale, gate=gate, ctr=ctr
+            )
+
+    else:
+        raise ValueError(f"decode_launch: kind must be 'flash' or 'rows_gather', got {kind!r}")
+    return mx.compile(run) if compiled else run
+
+
 def _cuda(
     cplan: plan.ConsumerPlan, a: Operands, gate: mx.array | None
 ) -> tuple[mx.array, bool] | None:
     """The consumer on its CUDA kernel, and whether `gate` is already applied in its output;
     None where no kernel covers the call (the portable consumer runs)."""
-    from ..kernels.flash_decode import flash_decode_cuda, ratio_supported
+    from ..kernels.flash_decode import ratio_supported
     from ..kernels.rows_gather import rows_gather_cuda
 
     first = cplan.consumers[0]
     q, keys, values, sel = a.q, a.keys, a.values, a.sel
+    gate_in = () if gate is None else (gate,)
     if first == "flash" and ratio_supported(a.ratio):
         # the selection's row and the row's position are read in place (no extra arrays)
-        o = flash_decode_cuda(
-            q, keys, values, sel.ids, sel.valid, scale=a.scale, ratio=a.ratio, pos=a.positions,
-            gate=gate,
-        )  # fmt: skip
-        return o, gate is not None
+        run = decode_launch("flash", a.scale, a.ratio, gate is not None)
+        return run(q, keys, values, sel.ids, sel.valid, a.positions, *gate_in), gate is not None
     if first == "rows_gather":
-        o = rows_gather_cuda(q, keys, values, sel.slots, sel.slot_valid, scale=a.scale, gate=gate)
-        return o, gate is not None
+        run = decode_launch("rows_gather", a.scale, a.ratio, gate is not None)
+        return run(q, keys, values, sel.slots, sel.slot_valid, *gate_in), gate is not None
     if first == "prefill_flash":
         from ..kernels.prefill_flash import prefill_flash_cuda, prefill_flash_unsupported
 

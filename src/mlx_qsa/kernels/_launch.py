@@ -334,7 +334,9 @@ def plan_split_k(
     """The run of a split-K attention file's ``partial`` section over ``n_cta`` CTAs of
     ``ATTN_THREADS``, merging its ``rows`` x ``nsplit`` partials into ``out_shape``: in the
     same launch (``one_launch``: ``QSA_FUSED``, a counter slot as the last input) or with the
-    merge kernel every split-K file shares (``split_k_merge.cu``).
+    merge kernel every split-K file shares (``split_k_merge.cu``). The run takes the call's
+    arrays and optionally ``ctr``, the counter slot (default: the next of `counter_slot`;
+    inside ``mx.compile`` an input of the compiled function, so replays never share one).
 
     ``gate``: the run's last array is the output gate ``[1, S, H, d]`` and the merge writes
     ``o * sigmoid(gate)`` in that layout (``QSA_GATE``, gate.cuh); ``out_shape`` is then
@@ -364,9 +366,9 @@ def plan_split_k(
         shapes = part_shapes + [out_shape]
         dtypes = f32 + [out_dtype]
 
-        def run_fused(arrays: list) -> mx.array:
+        def run_fused(arrays: list, ctr: mx.array | None = None) -> mx.array:
             return fused(
-                inputs=arrays + [counter_slot()],
+                inputs=arrays + [ctr if ctr is not None else counter_slot()],
                 grid=grid,
                 threadgroup=block,
                 output_shapes=shapes,
@@ -391,7 +393,7 @@ def plan_split_k(
     merge_grid = (rows * (d // merge_cols(d)) * ATTN_THREADS, 1, 1)
     n_in = len(inputs)
 
-    def run_two(arrays: list) -> mx.array:
+    def run_two(arrays: list, ctr: mx.array | None = None) -> mx.array:  # ctr: no hand-off here
         part_o, part_ml = partial(
             inputs=arrays[:n_in],
             grid=grid,
@@ -449,6 +451,12 @@ def check_gate(fn: str, gate, q) -> None:
         raise ValueError(f"{fn}: gate must be [1, S, H, d] = {list(want)}, got {list(gate.shape)}")
     if gate.dtype != q.dtype:
         raise ValueError(f"{fn}: gate must have q's dtype {q.dtype}, got {gate.dtype}")
+
+
+def compile_decode_env() -> bool:
+    """Whether the decode consumers' CUDA launches run as `mx.compile`d functions (the default,
+    `consumers.decode_launch`); ``MLX_QSA_COMPILE_DECODE=0`` calls the launchers directly."""
+    return env_switch("MLX_QSA_COMPILE_DECODE") != "0"
 
 
 def fuse_gate_env() -> bool:

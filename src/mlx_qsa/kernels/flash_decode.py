@@ -94,6 +94,7 @@ def flash_decode_cuda(
     pos: mx.array | None = None,
     one_launch: bool | None = None,
     gate: mx.array | None = None,
+    ctr: mx.array | None = None,
 ) -> mx.array:
     """Split-K flash decode on CUDA; see :func:`flash_decode_portable`.
 
@@ -108,6 +109,7 @@ def flash_decode_cuda(
     context is ``T`` (int32 [1]) or, with no array made for it, ``pos`` (int32 [1], the row's
     position, T - 1).
     ``block_ids`` / ``block_valid`` may be ``[K]`` or a selection's ``[1, K]`` (read in place).
+    ``ctr``: the one-launch merge's counter slot (`_launch.counter_slot`; default a fresh one).
     """
     fn = "flash_decode_cuda"
     if (T is None) == (pos is None):
@@ -122,7 +124,7 @@ def flash_decode_cuda(
         sig, lambda: _plan(fn, q, keys, values, block_ids, block_valid, tlen, T is None, scale,
                            ratio, one_launch, gate)
     )  # fmt: skip
-    return run(arrays)
+    return run(arrays, ctr)
 
 
 _PLANS = _launch.Plans()

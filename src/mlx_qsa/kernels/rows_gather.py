@@ -63,6 +63,7 @@ def rows_gather_cuda(
     scale: float,
     one_launch: bool | None = None,
     gate: mx.array | None = None,
+    ctr: mx.array | None = None,
 ) -> mx.array:
     """Split-K rows-gather attention on CUDA; see :func:`rows_gather_portable`.
 
@@ -71,7 +72,8 @@ def rows_gather_cuda(
     with ``one_launch``, else by a second kernel; the same bits). With ``gate`` (the rows'
     output-gate logits ``[1, S, H, d]``, any strides) the merge applies the output gate
     (QSA.md §9) and returns ``o * sigmoid(gate)`` as ``[1, S, H, d]``, bit for bit MLX's own
-    ``sigmoid`` and ``multiply`` of the ungated output.
+    ``sigmoid`` and ``multiply`` of the ungated output. ``ctr``: the one-launch merge's counter
+    slot (`_launch.counter_slot`; default a fresh one).
     """
     fn = "rows_gather_cuda"
     arrays = [q, keys, values, slots, slot_valid]
@@ -82,7 +84,7 @@ def rows_gather_cuda(
     run = _PLANS.get(
         sig, lambda: _plan(fn, q, keys, values, slots, slot_valid, scale, one_launch, gate)
     )
-    return run(arrays)
+    return run(arrays, ctr)
 
 
 _PLANS = _launch.Plans()
