@@ -3,12 +3,12 @@ in turns, on the GPU: does a compiled step cut the host work per step (issue 5: 
 is bound by MLX's host work)?
 
 Entries, each by eval per step (`mlx_pass`) and queued on the GPU's clock (`mlx_gpu_pass`):
-- `eager`: `bench.qsa_step` with ``MLX_QSA_COMPILE_DECODE=0`` (Python launchers, two
-  `cuda_kernel` calls a step);
+- `eager`: the selection and attention of `bench.qsa_step`, both launchers called directly
+  (``MLX_QSA_COMPILE_DECODE=0``: Python launchers, two `cuda_kernel` calls a step);
 - `compiled_select`: the selection in one compiled function (as the layer's compiled core runs
   it), the attention's launcher eager (``MLX_QSA_COMPILE_DECODE=0``);
-- `compiled_two`: the same selection, the attention through `consumers.decode_launch`'s
-  compiled function (the library default);
+- `compiled_two`: `bench.qsa_step` itself: its compiled selection, then the attention through
+  `consumers.decode_launch`'s compiled function (the library default);
 - `compiled_step`: selection and attention in one compiled function.
 The one-launch kernels' counter slots are inputs of the compiled functions (a fresh slot per
 call, as eager calls take them), so queued replays never share one. Outputs and selections are
@@ -81,6 +81,10 @@ def run_point(cfg: QSAConfig, T: int, rows: int, args: argparse.Namespace) -> di
     s0 = sets[0]
 
     def eager(s):
+        sel = sel_arrays(_select(cfg, s))
+        return [_attend(cfg, s, sel), *sel]
+
+    def library(s):
         o, sel = bench.qsa_step(cfg, s, "cuda")
         return [o, *sel_arrays(sel)]
 
@@ -94,8 +98,8 @@ def run_point(cfg: QSAConfig, T: int, rows: int, args: argparse.Namespace) -> di
         s = _View(s0, index_q=index_q, pooled=pooled, positions=positions, q=q, keys=keys,
                   values=values)  # fmt: skip
         with slots_from([ctr1, ctr2]):
-            o, sel = bench.qsa_step(cfg, s, "cuda")
-        return [o, *sel_arrays(sel)]
+            sel = sel_arrays(_select(cfg, s))
+            return [_attend(cfg, s, sel), *sel]
 
     c_select = mx.compile(select_only)
     c_whole = mx.compile(whole)
@@ -112,7 +116,8 @@ def run_point(cfg: QSAConfig, T: int, rows: int, args: argparse.Namespace) -> di
     forms = {
         "eager": (eager, "0"),  # the bench's step before decode_launch
         "compiled_select": (compiled_select, "0"),  # the layer before: its core compiled
-        "compiled_two": (compiled_select, None),  # the library now: + decode_launch compiled
+        "compiled_two": (library, None),  # bench.qsa_step now: its selector compiled, as the
+        # layer's core runs it, and the attention through decode_launch
         "compiled_step": (compiled_step, "0"),  # one compiled function of both
     }
     rec = {"context": T, "rows": rows, "checks": {}, "build_us": {}}
@@ -167,7 +172,7 @@ class _View:
 
 
 def _select(cfg: QSAConfig, s):
-    """The selection half of `bench.qsa_step` (its CUDA form)."""
+    """The selection half of `bench.qsa_step`, its CUDA selector called directly."""
     r, K = cfg.indexer_compress_ratio, cfg.block_topk
     args = (s.index_q, None, None, s.positions, r, K, s.rows, s.pooled, "cuda")
     if s.rows == 1:

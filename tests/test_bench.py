@@ -278,6 +278,58 @@ def test_prompt_document(tmp_path, turns, monkeypatch) -> None:
         bench.prompt_chunks(0, 2048)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_qsa_step_runs_the_cuda_selector_compiled_with_a_fresh_slot(monkeypatch, rows) -> None:
+    """`bench.qsa_step` on CUDA runs the selector as a compiled function (as the layer's core
+    does): traced once per shape, a new counter slot as an input on each step, the selector's
+    own outputs. Any machine: a stand-in selector (the portable twin, plus the slot's first
+    value on the output the step keeps, so it shows which slot it got) replaces the CUDA one;
+    the attention then runs portably."""
+    from mlx_qsa import consumers, indexer
+    from mlx_qsa.config import QSAConfig
+    from mlx_qsa.kernels import _launch, selector
+
+    traced = []
+
+    def stand_in(q, pooled, pos, *, block_topk, ratio, mode="blocks", ctr=None):
+        traced.append(mode)
+        q3 = q[0].transpose(1, 0, 2)  # the layer's [1, H_I, S, d_I] as the twin's [S, H_I, d_I]
+        out = list(selector.select_blocks_portable(q3, pooled, pos, block_topk=block_topk,
+                                                   ratio=ratio, mode=mode))  # fmt: skip
+        kept = 2 if mode == "blocks" else 3  # scores, or the row-token slots
+        out[kept] = out[kept] + ctr[0].astype(out[kept].dtype)
+        return tuple(out)
+
+    monkeypatch.setattr(selector, "select_blocks_cuda", stand_in)
+    monkeypatch.setattr(consumers, "cuda_attention_supports", lambda q, keys: False)
+    for module in (indexer, bench):
+        monkeypatch.setattr(module, "cuda_selector_supports", lambda q, pooled: True)
+    slots = iter([mx.array([1, 0], mx.int32), mx.array([2, 0], mx.int32)])
+    monkeypatch.setattr(_launch, "counter_slot", lambda: next(slots))
+    bench._cuda_selection.cache_clear()
+    try:
+        cfg = QSAConfig()
+        s = bench.DecodeSet(cfg, 4096, rows, seed=3)
+        sels = [bench.qsa_step(cfg, s, "cuda")[1] for _ in range(2)]
+        assert traced == ["blocks" if rows == 1 else "row_tokens"]
+        mode = "blocks" if rows == 1 else "row_tokens"
+        want = selector.select_blocks_portable(
+            s.index_q[0].transpose(1, 0, 2), s.pooled, s.positions, block_topk=512, ratio=4,
+            mode=mode,
+        )  # fmt: skip
+        for sel, slot in zip(sels, (1, 2), strict=True):
+            if rows == 1:
+                assert sel.kind == "blocks" and sel.tail_start == 4096
+                assert mx.array_equal(sel.ids, want[0]).item()
+                assert mx.array_equal(sel.scores, want[2] + slot).item()
+            else:
+                assert sel.kind == "row_tokens"
+                assert mx.array_equal(sel.slots, want[3] + slot).item()
+                assert mx.array_equal(sel.slot_valid, want[4]).item()
+    finally:
+        bench._cuda_selection.cache_clear()
+
+
 def test_tp_needs_a_matching_group() -> None:
     with pytest.raises(SystemExit, match="--tp 2: the distributed group has 1 ranks"):
         bench.run(_args("decode", "--tp", "2", "--contexts", "4096"))

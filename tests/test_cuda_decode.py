@@ -248,14 +248,13 @@ def test_decode_launch_runs_the_launcher_with_a_fresh_counter_slot(
         ids, valid = block_list(rng, 8, T // 4, 6)
         args = (bf16(q[None, :, None]), km, vm, mx.array(ids), mx.array(valid))
         pos = mx.array([T - 1], mx.int32)
-        run = consumers.decode_launch("flash", 0.125, 4, False)
-        outs = [run(*args, pos) for _ in range(2)]
+        outs = [consumers.decode_launch("flash", 0.125, 4, (*args, pos), None) for _ in range(2)]
         assert traced == ([False] if compiled else [False, False])
         want = fd.flash_decode_portable(*args, pos + 1, scale=0.125, ratio=4)
         for o, slot in zip(outs, (1, 2), strict=True):
             np.testing.assert_array_equal(to_np(o), to_np(want + slot))
         with pytest.raises(ValueError, match="kind must be 'flash' or 'rows_gather'"):
-            consumers.decode_launch("sdpa", 0.125, 4, False)
+            consumers.decode_launch("sdpa", 0.125, 4, (*args, pos), None)
     finally:
         consumers._decode_fn.cache_clear()
 

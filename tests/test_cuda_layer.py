@@ -77,9 +77,9 @@ def _count_decode_launches(monkeypatch) -> list[tuple[str, bool]]:
     seen = []
     real = consumers_module.decode_launch
 
-    def counted(kind, scale, ratio, gated):
-        seen.append((kind, gated))
-        return real(kind, scale, ratio, gated)
+    def counted(kind, scale, ratio, arrays, gate):
+        seen.append((kind, gate is not None))
+        return real(kind, scale, ratio, arrays, gate)
 
     monkeypatch.setattr(consumers_module, "decode_launch", counted)
     return seen
@@ -212,6 +212,17 @@ def test_prefill_chunks_run_the_kernels(spy, monkeypatch, consumer, cfg, widths)
             check_call(call, cfg, cuda.weights, mx.bfloat16)
 
 
+def _assert_same_calls(a_run: Run, b_run: Run, what: str) -> None:
+    """Two runs of the schedule made the same calls, routed alike, with the same output bits."""
+    for a, b in zip(a_run.calls, b_run.calls, strict=True):
+        assert (a.P, a.S, a.consumers) == (b.P, b.S, b.consumers)
+        np.testing.assert_array_equal(
+            np.array(a.y.view(mx.uint16)),
+            np.array(b.y.view(mx.uint16)),
+            err_msg=f"S{a.S}@{a.P} {what}",
+        )
+
+
 def test_fused_output_gate_keeps_the_layer_bit_for_bit(spy, monkeypatch, set_switch) -> None:
     """The decode consumers' kernels apply the output gate in their merge by default; with
     MLX_QSA_FUSE_GATE=0 MLX's sigmoid and multiply do it. Every call's output is the same bits,
@@ -227,13 +238,7 @@ def test_fused_output_gate_keeps_the_layer_bit_for_bit(spy, monkeypatch, set_swi
         launches.clear()
         unfused = _run(spy, "auto", compiled=compiled)
         assert launches and not any(gated for _, gated in launches)  # no kernel got the gate
-        for a, b in zip(fused.calls, unfused.calls, strict=True):
-            assert (a.P, a.S, a.consumers) == (b.P, b.S, b.consumers)
-            np.testing.assert_array_equal(
-                np.array(a.y.view(mx.uint16)),
-                np.array(b.y.view(mx.uint16)),
-                err_msg=f"S{a.S}@{a.P} compiled={compiled}",
-            )
+        _assert_same_calls(fused, unfused, f"compiled={compiled}")
 
 
 def test_compiled_decode_launches_keep_the_layer_bit_for_bit(spy, set_switch) -> None:
@@ -247,13 +252,7 @@ def test_compiled_decode_launches_keep_the_layer_bit_for_bit(spy, set_switch) ->
         set_switch("MLX_QSA_COMPILE_DECODE", "0")
         off = _run(spy, "auto", compiled=compiled)
         assert {c.consumers[0] for c in on.calls} >= {"flash", "rows_gather"}
-        for a, b in zip(on.calls, off.calls, strict=True):
-            assert (a.P, a.S, a.consumers) == (b.P, b.S, b.consumers)
-            np.testing.assert_array_equal(
-                np.array(a.y.view(mx.uint16)),
-                np.array(b.y.view(mx.uint16)),
-                err_msg=f"S{a.S}@{a.P} compiled={compiled}",
-            )
+        _assert_same_calls(on, off, f"compiled={compiled}")
 
 
 @pytest.mark.parametrize("gather_min_context", [0, 1 << 20])

@@ -334,24 +334,43 @@ class DecodeSet:
 
 def qsa_step(cfg: QSAConfig, s: DecodeSet, impl: str) -> tuple[mx.array, Selection]:
     """Selection + attention of the rows, as the layer runs them (RUNTIME.md §5–§8): the
-    options, capabilities and consumer plan are the layer's (held, not remade per step)."""
+    options, capabilities and consumer plan are the layer's (held, not remade per step). On
+    CUDA the selector runs as a compiled function (`_cuda_selection`), as the layer's compiled
+    core runs it, and the attention through `consumers.decode_launch`."""
     r, K = cfg.indexer_compress_ratio, cfg.block_topk
     P = s.T - s.rows
     if impl == "cuda" and cuda_selector_supports(s.index_q, s.pooled):
-        keys_t = penalty = None  # the portable scorer's operands: not part of this graph
+        from .kernels._launch import counter_slot
+
+        run = _cuda_selection(r, K, s.rows)
+        out = run(s.index_q, s.pooled, s.positions, counter_slot())
     else:
         keys_t = s.pooled[0].astype(mx.float32).T
-        penalty = block_penalty(keys_t.shape[1])
-    args = (s.index_q, keys_t, penalty, s.positions, r, K, s.rows, s.pooled, impl)
+        args = (s.index_q, keys_t, block_penalty(keys_t.shape[1]), s.positions, r, K, s.rows,
+                s.pooled, impl)  # fmt: skip
+        out = select_rows(*args) if s.rows == 1 else select_row_tokens(*args)
     if s.rows == 1:
-        ids, valid, scores = select_rows(*args)
+        ids, valid, scores = out
         sel = Selection("blocks", ids=ids, valid=valid, scores=scores, tail_start=s.T // r * r)
     else:  # the layer's row_tokens selection (the CUDA selector writes the slots itself)
-        slots, slot_valid = select_row_tokens(*args)
-        sel = Selection("row_tokens", slots=slots, slot_valid=slot_valid)
+        sel = Selection("row_tokens", slots=out[0], slot_valid=out[1])
     cplan = _consumer_plan(plan.CallShape(s.rows, P, r, K), sel.kind)
     o = dispatch(cplan, s.q, s.keys, s.values, sel, s.positions, s.T, r, cfg.scale, impl)
     return o, sel
+
+
+@functools.lru_cache(maxsize=64)
+def _cuda_selection(ratio: int, k: int, rows: int) -> Callable[..., Any]:
+    """The CUDA selector of `qsa_step` as an `mx.compile`d function of (index_q, pooled,
+    positions, counter slot): the slot is an input, fresh each step, as in the layer's core."""
+
+    def run(index_q: mx.array, pooled: mx.array, positions: mx.array, ctr: mx.array):
+        args = (index_q, None, None, positions, ratio, k, rows, pooled, "cuda")
+        if rows == 1:
+            return select_rows(*args, ctr=ctr)
+        return select_row_tokens(*args, ctr=ctr)
+
+    return mx.compile(run)
 
 
 @functools.lru_cache(maxsize=256)

@@ -17,6 +17,12 @@ import mlx.core as mx
 
 from .. import plan
 from ..indexer import Selection, dense_keep_mask, row_token_slots
+
+# the kernel modules, not their functions: a launcher looked up at call time can be replaced
+# (tests count the calls)
+from ..kernels import _launch
+from ..kernels import flash_decode as flash_kernel
+from ..kernels import rows_gather as rows_kernel
 from .flash import flash
 from .prefill import dense_mask_attention, prefill_flash, prefill_gather
 from .rows_gather import rows_gather
@@ -102,9 +108,7 @@ def dispatch(
     a = Operands(q, keys, values, sel, positions, T, ratio, scale)
     out = None
     if impl == "cuda" and cuda_attention_supports(q, keys):
-        from ..kernels._launch import fuse_gate_env
-
-        fuse = gate if gate is not None and fuse_gate_env() else None
+        fuse = gate if gate is not None and _launch.fuse_gate_env() else None
         out = _cuda(cplan, a, fuse)
     o, gated = out if out is not None else (_portable(cplan, a), False)
     if gate is None or gated:
@@ -112,30 +116,29 @@ def dispatch(
     return output_gate(o, gate)
 
 
-def decode_launch(kind: str, scale: float, ratio: int, gated: bool) -> Callable[..., mx.array]:
-    """The launch of a decode consumer's CUDA kernel (`kind` "flash": q, keys, values, block
-    ids, block validity, positions; "rows_gather": q, keys, values, slots, slot validity; then
-    the gate's logits if `gated`). An `mx.compile`d function of those arrays and the
-    one-launch merge's counter slot (a fresh slot per call, as an input: queued replays never
-    share one), so a step replays one recorded primitive instead of running the launcher's
-    Python and MLX's kernel call again; ``MLX_QSA_COMPILE_DECODE=0`` runs the launcher
-    directly (the same bits, for side-by-side timing)."""
-    from ..kernels._launch import compile_decode_env, counter_slot
-
-    fn = _decode_fn(kind, scale, ratio, gated, compile_decode_env())
-    return lambda *arrays: fn(*arrays, counter_slot())
+def decode_launch(
+    kind: str, scale: float, ratio: int, arrays: tuple, gate: mx.array | None
+) -> mx.array:
+    """Run a decode consumer's CUDA kernel on `arrays` (`kind` "flash": q, keys, values, block
+    ids, block validity, positions; "rows_gather": q, keys, values, slots, slot validity), with
+    the output gate's logits `gate` fused if given. The launch is an `mx.compile`d function of
+    those arrays and the one-launch merge's counter slot (a fresh slot per call, as an input:
+    queued replays never share one), so a step replays one recorded primitive instead of
+    running the launcher's Python and MLX's kernel call again; ``MLX_QSA_COMPILE_DECODE=0``
+    runs the launcher directly (the same bits, for side-by-side timing)."""
+    fn = _decode_fn(kind, scale, ratio, gate is not None, _launch.compile_decode_env())
+    if gate is None:
+        return fn(*arrays, _launch.counter_slot())
+    return fn(*arrays, gate, _launch.counter_slot())
 
 
 @functools.lru_cache(maxsize=64)
 def _decode_fn(kind: str, scale: float, ratio: int, gated: bool, compiled: bool) -> Callable:
-    from ..kernels.flash_decode import flash_decode_cuda
-    from ..kernels.rows_gather import rows_gather_cuda
-
     if kind == "flash":
 
         def run(q, keys, values, ids, valid, positions, *rest):
             gate, ctr = (rest[0] if gated else None), rest[-1]
-            return flash_decode_cuda(
+            return flash_kernel.flash_decode_cuda(
                 q, keys, values, ids, valid, scale=scale, ratio=ratio, pos=positions, gate=gate,
                 ctr=ctr,
             )  # fmt: skip
@@ -144,7 +147,7 @@ def _decode_fn(kind: str, scale: float, ratio: int, gated: bool, compiled: bool)
 
         def run(q, keys, values, slots, slot_valid, *rest):
             gate, ctr = (rest[0] if gated else None), rest[-1]
-            return rows_gather_cuda(
+            return rows_kernel.rows_gather_cuda(
                 q, keys, values, slots, slot_valid, scale=scale, gate=gate, ctr=ctr
             )
 
@@ -158,19 +161,15 @@ def _cuda(
 ) -> tuple[mx.array, bool] | None:
     """The consumer on its CUDA kernel, and whether `gate` is already applied in its output;
     None where no kernel covers the call (the portable consumer runs)."""
-    from ..kernels.flash_decode import ratio_supported
-    from ..kernels.rows_gather import rows_gather_cuda
-
     first = cplan.consumers[0]
     q, keys, values, sel = a.q, a.keys, a.values, a.sel
-    gate_in = () if gate is None else (gate,)
-    if first == "flash" and ratio_supported(a.ratio):
+    if first == "flash" and flash_kernel.ratio_supported(a.ratio):
         # the selection's row and the row's position are read in place (no extra arrays)
-        run = decode_launch("flash", a.scale, a.ratio, gate is not None)
-        return run(q, keys, values, sel.ids, sel.valid, a.positions, *gate_in), gate is not None
+        arrays = (q, keys, values, sel.ids, sel.valid, a.positions)
+        return decode_launch("flash", a.scale, a.ratio, arrays, gate), gate is not None
     if first == "rows_gather":
-        run = decode_launch("rows_gather", a.scale, a.ratio, gate is not None)
-        return run(q, keys, values, sel.slots, sel.slot_valid, *gate_in), gate is not None
+        arrays = (q, keys, values, sel.slots, sel.slot_valid)
+        return decode_launch("rows_gather", a.scale, a.ratio, arrays, gate), gate is not None
     if first == "prefill_flash":
         from ..kernels.prefill_flash import prefill_flash_cuda, prefill_flash_unsupported
 
@@ -187,7 +186,7 @@ def _cuda(
     if first in ("prefill_flash", "prefill_gather"):
 
         def gather(qt, k, v, slots, slot_valid, sc):
-            return rows_gather_cuda(qt, k, v, slots, slot_valid, scale=sc)
+            return rows_kernel.rows_gather_cuda(qt, k, v, slots, slot_valid, scale=sc)
 
         consumer = prefill_flash if first == "prefill_flash" else prefill_gather
         o = consumer(
