@@ -309,7 +309,7 @@ def test_qsa_step_runs_the_cuda_selector_compiled_with_a_fresh_slot(monkeypatch,
     bench._cuda_selection.cache_clear()
     try:
         cfg = QSAConfig()
-        s = bench.DecodeSet(cfg, 4096, rows, seed=3)
+        s = bench.DecodeSet(cfg, 2304, rows, seed=3)  # 576 blocks: past the 512 budget
         sels = [bench.qsa_step(cfg, s, "cuda")[1] for _ in range(2)]
         assert traced == ["blocks" if rows == 1 else "row_tokens"]
         mode = "blocks" if rows == 1 else "row_tokens"
@@ -319,7 +319,7 @@ def test_qsa_step_runs_the_cuda_selector_compiled_with_a_fresh_slot(monkeypatch,
         )  # fmt: skip
         for sel, slot in zip(sels, (1, 2), strict=True):
             if rows == 1:
-                assert sel.kind == "blocks" and sel.tail_start == 4096
+                assert sel.kind == "blocks" and sel.tail_start == 2304
                 assert mx.array_equal(sel.ids, want[0]).item()
                 assert mx.array_equal(sel.scores, want[2] + slot).item()
             else:
