@@ -30,10 +30,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     stand_in_cuda()
-    from gate_ab import set_mode
-
     import mlx_qsa.layer as layer_mod
-    from mlx_qsa.bench import decode_layer_step, layer_rows, random_cache
+    from mlx_qsa.bench import decode_layer_step, layer_rows, random_cache, set_switch
     from mlx_qsa.config import QSAConfig, QSAOptions
 
     # the stand-in device is a CUDA GPU the kernels run on
@@ -47,7 +45,7 @@ def main() -> None:
     x = layer_rows(cfg, a.rows, seed=2)
 
     def mode(fused: bool) -> None:
-        set_mode("fused" if fused else "unfused")
+        set_switch("MLX_QSA_FUSE_GATE", None if fused else "0")
 
     step = decode_layer_step(layer, [x], [cache], a.rows)
 
