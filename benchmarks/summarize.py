@@ -165,7 +165,8 @@ def main() -> None:
     tables = {"decode": decode_table, "prefill": prefill_table, "prompt": prompt_table}
     for path in sys.argv[1:]:
         doc = json.load(open(path))
-        print(f"{path}: {doc['device_name']}, {doc['date']}, `{doc['command']}`\n")
+        switches = "".join(f", {k}={v}" for k, v in doc.get("switches", {}).items())
+        print(f"{path}: {doc['device_name']}, {doc['date']}, `{doc['command']}`{switches}\n")
         print(tables[doc["bench"]](doc))
         print()
 

@@ -245,6 +245,9 @@ def test_prompt_document(tmp_path, turns, monkeypatch) -> None:
     cfg = small_config(mrope=False)
     monkeypatch.setattr(bench, "QSAConfig", lambda: cfg)
     out = tmp_path / "prompt.json"
+    for k in [k for k in os.environ if k.startswith("MLX_QSA_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("MLX_QSA_COMPILE_DECODE", "0")  # no decode launch here: only recorded
     args = _args(
         "prompt", "--contexts", "2200", "--chunk", "512", "--sets", "1", "--repeats", "1",
         "--warmup", "1", "--settle", "0", "--large-from", "2049", "--portable-only",
@@ -253,6 +256,7 @@ def test_prompt_document(tmp_path, turns, monkeypatch) -> None:
     assert bench.run(args) == 0
     doc = json.loads(out.read_text())
     assert doc["bench"] == "prompt"
+    assert doc["switches"] == {"MLX_QSA_COMPILE_DECODE": "0"}  # the run's switches, recorded
     (p,) = doc["points"]
     assert p["prompt"] == 2200 and p["chunks"] == [512, 512, 512, 512, 152]
     ((entries, _, _, _),) = turns

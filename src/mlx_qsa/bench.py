@@ -1327,6 +1327,8 @@ def run(args: argparse.Namespace) -> int:
         "date": started,
         "backend": backend,
         "environment": env,
+        # the library's A/B switches set for this run (none: every default form)
+        "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_QSA_")},
         "geometry": QSAConfig().to_dict(),
         **body,
     }
