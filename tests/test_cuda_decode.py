@@ -222,7 +222,8 @@ def test_decode_launch_runs_the_launcher_with_a_fresh_counter_slot(
     """`consumers.decode_launch`: the decode consumer's launcher as an `mx.compile`d function of
     the call's arrays and a counter slot, traced once per shape; each call hands it a new slot
     as an input (a constant of the trace would be shared by queued replays), and the result is
-    the launcher's own. With MLX_QSA_COMPILE_DECODE=0 every call runs the launcher. Any machine:
+    the launcher's own; the launcher's switch MLX_QSA_ONE_LAUNCH keys the trace. With
+    MLX_QSA_COMPILE_DECODE=0 every call runs the launcher. Any machine:
     a stand-in launcher (the portable twin, plus the slot's first value so that the output
     shows which slot it got) replaces the CUDA one."""
     from mlx_qsa import consumers
@@ -231,12 +232,12 @@ def test_decode_launch_runs_the_launcher_with_a_fresh_counter_slot(
 
     traced = []
 
-    def launcher(q, keys, values, ids, valid, *, scale, ratio, pos, gate, ctr):
-        traced.append(gate is not None)
+    def launcher(q, keys, values, ids, valid, *, scale, ratio, pos, one_launch, gate, ctr):
+        traced.append(one_launch)
         o = fd.flash_decode_portable(q, keys, values, ids, valid, pos + 1, scale=scale, ratio=ratio)
         return o + ctr[0].astype(o.dtype)
 
-    slots = iter([mx.array([1, 0], mx.int32), mx.array([2, 0], mx.int32)])
+    slots = iter([mx.array([v, 0], mx.int32) for v in (1, 2, 3)])
     monkeypatch.setattr(fd, "flash_decode_cuda", launcher)
     monkeypatch.setattr(_launch, "counter_slot", lambda: next(slots))
     set_switch("MLX_QSA_COMPILE_DECODE", None if compiled else "0")
@@ -249,9 +250,12 @@ def test_decode_launch_runs_the_launcher_with_a_fresh_counter_slot(
         args = (bf16(q[None, :, None]), km, vm, mx.array(ids), mx.array(valid))
         pos = mx.array([T - 1], mx.int32)
         outs = [consumers.decode_launch("flash", 0.125, 4, (*args, pos), None) for _ in range(2)]
-        assert traced == ([False] if compiled else [False, False])
+        # MLX_QSA_ONE_LAUNCH=0 (the merge's form) is part of the key: a new trace takes it
+        set_switch("MLX_QSA_ONE_LAUNCH", "0")
+        outs.append(consumers.decode_launch("flash", 0.125, 4, (*args, pos), None))
+        assert traced == ([None, False] if compiled else [None, None, False])
         want = fd.flash_decode_portable(*args, pos + 1, scale=0.125, ratio=4)
-        for o, slot in zip(outs, (1, 2), strict=True):
+        for o, slot in zip(outs, (1, 2, 3), strict=True):
             np.testing.assert_array_equal(to_np(o), to_np(want + slot))
         with pytest.raises(ValueError, match="kind must be 'flash' or 'rows_gather'"):
             consumers.decode_launch("sdpa", 0.125, 4, (*args, pos), None)

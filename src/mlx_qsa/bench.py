@@ -340,10 +340,13 @@ def qsa_step(cfg: QSAConfig, s: DecodeSet, impl: str) -> tuple[mx.array, Selecti
     r, K = cfg.indexer_compress_ratio, cfg.block_topk
     P = s.T - s.rows
     if impl == "cuda" and cuda_selector_supports(s.index_q, s.pooled):
-        from .kernels._launch import counter_slot
+        from .kernels import _launch, selector
 
-        run = _cuda_selection(r, K, s.rows)
-        out = run(s.index_q, s.pooled, s.positions, counter_slot())
+        # the selector's switches are part of the key: a trace keeps the form it was made with
+        switches = (selector.select_one_launch_env(), selector.split_heads_env(),
+                    _launch.one_launch_env())  # fmt: skip
+        run = _cuda_selection(r, K, s.rows, switches)
+        out = run(s.index_q, s.pooled, s.positions, _launch.counter_slot())
     else:
         keys_t = s.pooled[0].astype(mx.float32).T
         args = (s.index_q, keys_t, block_penalty(keys_t.shape[1]), s.positions, r, K, s.rows,
@@ -360,9 +363,10 @@ def qsa_step(cfg: QSAConfig, s: DecodeSet, impl: str) -> tuple[mx.array, Selecti
 
 
 @functools.lru_cache(maxsize=64)
-def _cuda_selection(ratio: int, k: int, rows: int) -> Callable[..., Any]:
+def _cuda_selection(ratio: int, k: int, rows: int, switches: tuple) -> Callable[..., Any]:
     """The CUDA selector of `qsa_step` as an `mx.compile`d function of (index_q, pooled,
-    positions, counter slot): the slot is an input, fresh each step, as in the layer's core."""
+    positions, counter slot): the slot is an input, fresh each step, as in the layer's core.
+    `switches`: the selector's MLX_QSA_* switches when it traces (only a key)."""
 
     def run(index_q: mx.array, pooled: mx.array, positions: mx.array, ctr: mx.array):
         args = (index_q, None, None, positions, ratio, k, rows, pooled, "cuda")

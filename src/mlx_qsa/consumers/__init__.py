@@ -126,21 +126,25 @@ def decode_launch(
     queued replays never share one), so a step replays one recorded primitive instead of
     running the launcher's Python and MLX's kernel call again; ``MLX_QSA_COMPILE_DECODE=0``
     runs the launcher directly (the same bits, for side-by-side timing)."""
-    fn = _decode_fn(kind, scale, ratio, gate is not None, _launch.compile_decode_env())
+    # the launchers' own switch is part of the key: a trace keeps the form it was made with
+    compiled = _launch.compile_decode_env()
+    fn = _decode_fn(kind, scale, ratio, gate is not None, compiled, _launch.one_launch_env())
     if gate is None:
         return fn(*arrays, _launch.counter_slot())
     return fn(*arrays, gate, _launch.counter_slot())
 
 
 @functools.lru_cache(maxsize=64)
-def _decode_fn(kind: str, scale: float, ratio: int, gated: bool, compiled: bool) -> Callable:
+def _decode_fn(
+    kind: str, scale: float, ratio: int, gated: bool, compiled: bool, one_launch: bool | None
+) -> Callable:
     if kind == "flash":
 
         def run(q, keys, values, ids, valid, positions, *rest):
             gate, ctr = (rest[0] if gated else None), rest[-1]
             return flash_kernel.flash_decode_cuda(
-                q, keys, values, ids, valid, scale=scale, ratio=ratio, pos=positions, gate=gate,
-                ctr=ctr,
+                q, keys, values, ids, valid, scale=scale, ratio=ratio, pos=positions,
+                one_launch=one_launch, gate=gate, ctr=ctr,
             )  # fmt: skip
 
     elif kind == "rows_gather":
@@ -148,8 +152,9 @@ def _decode_fn(kind: str, scale: float, ratio: int, gated: bool, compiled: bool)
         def run(q, keys, values, slots, slot_valid, *rest):
             gate, ctr = (rest[0] if gated else None), rest[-1]
             return rows_kernel.rows_gather_cuda(
-                q, keys, values, slots, slot_valid, scale=scale, gate=gate, ctr=ctr
-            )
+                q, keys, values, slots, slot_valid, scale=scale, one_launch=one_launch, gate=gate,
+                ctr=ctr,
+            )  # fmt: skip
 
     else:
         raise ValueError(f"decode_launch: kind must be 'flash' or 'rows_gather', got {kind!r}")
