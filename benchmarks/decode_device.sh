@@ -45,8 +45,8 @@
 # stamptest: the GPU timer stamp (test_cuda_stamp.py) and the bench document tests
 # compileab: the decode step (selection + attention) eager against mx.compile'd, in turns, with
 #          its graph build alone (benchmarks/compile_ab.py; COMPILEAB_ARGS, e.g. "--points 131072x1")
-# compiledecode: compileab at 128K (1, 4 rows) and 8K, the CUDA layer and decode-launch GPU tests,
-#          then the layer step with MLX_QSA_COMPILE_DECODE unset vs 0 (gate_ab.py --switch)
+# compiledecode: compileab at 128K (1, 4 rows) and 8K, then the layer step with
+#          MLX_QSA_COMPILE_DECODE unset vs 0 (gate_ab.py --switch); compiletests: their GPU tests
 # timeline: benchmarks/timeline.py (CUPTI timeline of decode and prefill steps; TIMELINE_ARGS)
 # Test steps run under TEST_TIMEOUT seconds each (default 420) and append each failure's report
 # to $OUT/failures.txt as it happens (QSA_FAIL_LOG, tests/conftest.py): a call stopped at its
@@ -261,16 +261,18 @@ PY
       timeout "${COMPILEAB_TIMEOUT:-400}" python3 benchmarks/compile_ab.py "$OUT/compile_ab_$GPU_TAG.json" \
         ${COMPILEAB_ARGS:-} 2>&1 | tee "$OUT/compile_ab.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
-    compiledecode)  # compiled decode launches: the A/B of the step forms, the GPU tests, the layer A/B
+    compiledecode)  # compiled decode launches: the A/B of the step forms, then the layer A/B
       timeout 200 python3 benchmarks/compile_ab.py "$OUT/compile_ab_$GPU_TAG.json" \
         --points 131072x1,131072x4,8192x1 --repeats 5 2>&1 | tee "$OUT/compile_ab.log" | tail -8
       rc=$((rc | PIPESTATUS[0]))
-      timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
-        tests/test_cuda_layer.py tests/test_cuda_decode.py -k "layer or decode_launch or gate" \
-        2>&1 | tee "$OUT/compile_tests.log" | tail -8
-      rc=$((rc | PIPESTATUS[0]))
       timeout 150 python3 benchmarks/gate_ab.py "$OUT/compile_layer_ab_$GPU_TAG.json" \
         --switch MLX_QSA_COMPILE_DECODE 2>&1 | tee "$OUT/compile_layer_ab.log"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    compiletests)  # their GPU tests: the CUDA layer's, the decode launch's and the fused gate's
+                   # (a fresh process first compiles every kernel: 180 s was too short, r3)
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+        tests/test_cuda_layer.py tests/test_cuda_decode.py -k "layer or decode_launch or gate" \
+        2>&1 | tee "$OUT/compile_tests.log" | tail -8
       rc=$((rc | PIPESTATUS[0])) ;;
     prompt)
       timeout "${PROMPT_TIMEOUT:-400}" python3 -m mlx_qsa bench prompt --sets 2 --repeats 3 \
