@@ -175,26 +175,12 @@ def _select(cfg: QSAConfig, s):
     """The selection half of `bench.qsa_step`, its CUDA selector called directly."""
     r, K = cfg.indexer_compress_ratio, cfg.block_topk
     args = (s.index_q, None, None, s.positions, r, K, s.rows, s.pooled, "cuda")
-    if s.rows == 1:
-        ids, valid, scores = bench.select_rows(*args)
-        return bench.Selection("blocks", ids=ids, valid=valid, scores=scores,
-                               tail_start=s.T // r * r)  # fmt: skip
-    slots, slot_valid = bench.select_row_tokens(*args)
-    return bench.Selection("row_tokens", slots=slots, slot_valid=slot_valid)
+    return bench.step_selection(cfg, s, bench.step_selector(s.rows)(*args))
 
 
 def _attend(cfg: QSAConfig, s, sel_list: list[mx.array]) -> mx.array:
     """The attention half of `bench.qsa_step`, from the selection's arrays."""
-    r, K = cfg.indexer_compress_ratio, cfg.block_topk
-    if s.rows == 1:
-        ids, valid, scores = sel_list
-        sel = bench.Selection("blocks", ids=ids, valid=valid, scores=scores,
-                              tail_start=s.T // r * r)  # fmt: skip
-    else:
-        sel = bench.Selection("row_tokens", slots=sel_list[0], slot_valid=sel_list[1])
-    cplan = bench._consumer_plan(bench.plan.CallShape(s.rows, s.T - s.rows, r, K), sel.kind)
-    return bench.dispatch(cplan, s.q, s.keys, s.values, sel, s.positions, s.T, r, cfg.scale,
-                          "cuda")  # fmt: skip
+    return bench.step_attention(cfg, s, bench.step_selection(cfg, s, sel_list), "cuda")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ from .indexer import (
     select_row_tokens,
     select_rows,
 )
+from .kernels import _launch
+from .kernels import selector as selector_kernel
 from .layer import QSAAttention
 from .rope import text_positions, text_rope
 from .sweep import _arg, _non_negative_seconds, backend_name, environment
@@ -338,28 +340,42 @@ def qsa_step(cfg: QSAConfig, s: DecodeSet, impl: str) -> tuple[mx.array, Selecti
     CUDA the selector runs as a compiled function (`_cuda_selection`), as the layer's compiled
     core runs it, and the attention through `consumers.decode_launch`."""
     r, K = cfg.indexer_compress_ratio, cfg.block_topk
-    P = s.T - s.rows
     if impl == "cuda" and cuda_selector_supports(s.index_q, s.pooled):
-        from .kernels import _launch, selector
-
         # the selector's switches are part of the key: a trace keeps the form it was made with
-        switches = (selector.select_one_launch_env(), selector.split_heads_env(),
+        switches = (selector_kernel.select_one_launch_env(), selector_kernel.split_heads_env(),
                     _launch.one_launch_env())  # fmt: skip
         run = _cuda_selection(r, K, s.rows, switches)
         out = run(s.index_q, s.pooled, s.positions, _launch.counter_slot())
     else:
         keys_t = s.pooled[0].astype(mx.float32).T
-        args = (s.index_q, keys_t, block_penalty(keys_t.shape[1]), s.positions, r, K, s.rows,
-                s.pooled, impl)  # fmt: skip
-        out = select_rows(*args) if s.rows == 1 else select_row_tokens(*args)
+        out = step_selector(s.rows)(
+            s.index_q, keys_t, block_penalty(keys_t.shape[1]), s.positions, r, K, s.rows,
+            s.pooled, impl,
+        )  # fmt: skip
+    sel = step_selection(cfg, s, out)
+    return step_attention(cfg, s, sel, impl), sel
+
+
+def step_selector(rows: int) -> Callable[..., tuple[mx.array, ...]]:
+    """The layer's selection routine for a decode step of `rows` rows: `blocks` for one row,
+    `row_tokens` for verify rows (the CUDA selector writes the slots itself)."""
+    return select_rows if rows == 1 else select_row_tokens
+
+
+def step_selection(cfg: QSAConfig, s: DecodeSet, out: tuple) -> Selection:
+    """`step_selector`'s outputs for `s`'s rows as the step's `Selection`."""
     if s.rows == 1:
+        r = cfg.indexer_compress_ratio
         ids, valid, scores = out
-        sel = Selection("blocks", ids=ids, valid=valid, scores=scores, tail_start=s.T // r * r)
-    else:  # the layer's row_tokens selection (the CUDA selector writes the slots itself)
-        sel = Selection("row_tokens", slots=out[0], slot_valid=out[1])
-    cplan = _consumer_plan(plan.CallShape(s.rows, P, r, K), sel.kind)
-    o = dispatch(cplan, s.q, s.keys, s.values, sel, s.positions, s.T, r, cfg.scale, impl)
-    return o, sel
+        return Selection("blocks", ids=ids, valid=valid, scores=scores, tail_start=s.T // r * r)
+    return Selection("row_tokens", slots=out[0], slot_valid=out[1])
+
+
+def step_attention(cfg: QSAConfig, s: DecodeSet, sel: Selection, impl: str) -> mx.array:
+    """The attention of `s`'s rows over `sel`, through the library defaults' consumer plan."""
+    r, K = cfg.indexer_compress_ratio, cfg.block_topk
+    cplan = _consumer_plan(plan.CallShape(s.rows, s.T - s.rows, r, K), sel.kind)
+    return dispatch(cplan, s.q, s.keys, s.values, sel, s.positions, s.T, r, cfg.scale, impl)
 
 
 @functools.lru_cache(maxsize=64)
@@ -367,12 +383,10 @@ def _cuda_selection(ratio: int, k: int, rows: int, switches: tuple) -> Callable[
     """The CUDA selector of `qsa_step` as an `mx.compile`d function of (index_q, pooled,
     positions, counter slot): the slot is an input, fresh each step, as in the layer's core.
     `switches`: the selector's MLX_QSA_* switches when it traces (only a key)."""
+    select = step_selector(rows)
 
     def run(index_q: mx.array, pooled: mx.array, positions: mx.array, ctr: mx.array):
-        args = (index_q, None, None, positions, ratio, k, rows, pooled, "cuda")
-        if rows == 1:
-            return select_rows(*args, ctr=ctr)
-        return select_row_tokens(*args, ctr=ctr)
+        return select(index_q, None, None, positions, ratio, k, rows, pooled, "cuda", ctr=ctr)
 
     return mx.compile(run)
 
