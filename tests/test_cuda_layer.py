@@ -14,7 +14,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import hidden_rows, small_config
-from test_layer import Run, assert_selections_agree, build, check_call, check_states
+from test_layer import (
+    Run,
+    assert_selections_agree,
+    build,
+    check_call,
+    check_states,
+    selection_rows,
+)
 
 from mlx_qsa import consumers as consumers_module
 from mlx_qsa.config import QSAOptions
@@ -66,11 +73,6 @@ def _run(spy: list, kernels: str, compiled: bool = True) -> Run:
     return run
 
 
-def _selection_arrays(sel) -> dict[str, np.ndarray]:
-    names = ("ids", "valid", "slots", "slot_valid", "mask")
-    return {n: np.array(getattr(sel, n)) for n in names if getattr(sel, n) is not None}
-
-
 def _count_decode_launches(monkeypatch) -> list[tuple[str, bool]]:
     """(kind, gated) of every `consumers.decode_launch` (the flash / rows-gather kernels' launch,
     one a call; the launchers themselves run only while their compiled function traces)."""
@@ -107,7 +109,7 @@ def test_cuda_selections_equal_portable_bit_for_bit(spy) -> None:
     assert [c.seen.impl for c in portable.calls] == ["portable"] * n
     for a, b in zip(cuda.calls, portable.calls, strict=True):
         assert (a.P, a.S, a.consumers) == (b.P, b.S, b.consumers)
-        sa, sb = _selection_arrays(a.seen.sel), _selection_arrays(b.seen.sel)
+        sa, sb = selection_rows(a.seen.sel), selection_rows(b.seen.sel)
         assert sa.keys() == sb.keys()
         for k in sa:
             np.testing.assert_array_equal(sa[k], sb[k], err_msg=f"S{a.S}@{a.P} {k}")
@@ -129,7 +131,7 @@ def test_compiled_and_eager_cuda_paths_select_alike(spy) -> None:
     assert any(c.compiled for c in compiled.calls)
     assert not any(c.compiled for c in eager.calls)
     for a, b in zip(compiled.calls, eager.calls, strict=True):
-        sa, sb = _selection_arrays(a.seen.sel), _selection_arrays(b.seen.sel)
+        sa, sb = selection_rows(a.seen.sel), selection_rows(b.seen.sel)
         for k in sa:
             np.testing.assert_array_equal(sa[k], sb[k], err_msg=f"S{a.S}@{a.P} {k}")
         np.testing.assert_array_equal(
