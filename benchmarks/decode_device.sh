@@ -72,39 +72,39 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_thr
   --format=csv -lms 200 > "$OUT/smi.csv" 2>/dev/null &
 smi=$!
 rc=0
+# pytest_step NAME LIMIT LINES TESTS...: the GPU tests TESTS under LIMIT seconds, logged to
+# $OUT/NAME.log, the last LINES lines shown; a failure sets rc
+pytest_step() {
+  local name=$1 limit=$2 lines=$3
+  shift 3
+  timeout "$limit" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider "$@" 2>&1 \
+    | tee "$OUT/$name.log" | tail -"$lines"
+  rc=$((rc | PIPESTATUS[0]))
+}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 for what in "$@"; do
   case "$what" in
     tests)  # the decode kernels' tests; `tests2` has the rest
-      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
-        tests/test_cuda_decode.py 2>&1 | tee "$OUT/tests.log" | tail -20
-      rc=$((rc | PIPESTATUS[0])) ;;
+      pytest_step tests "${TEST_TIMEOUT:-420}" 20 tests/test_cuda_decode.py ;;
     tests2)  # prefill kernels, the CUDA layer, RoPE, RMSNorm, bench, turns:
              # `tests` and these overran one 420 s step together (2026-12-07)
-      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+      pytest_step tests2 "${TEST_TIMEOUT:-420}" 20 \
         tests/test_cuda_prefill.py tests/test_cuda_layer.py tests/test_cuda_rope.py \
-        tests/test_cuda_rms_norm.py tests/test_bench.py tests/test_turns.py 2>&1 \
-        | tee "$OUT/tests2.log" | tail -20
-      rc=$((rc | PIPESTATUS[0])) ;;
+        tests/test_cuda_rms_norm.py tests/test_bench.py tests/test_turns.py ;;
     tests2b)  # the second half of tests2
-      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+      pytest_step tests2b "${TEST_TIMEOUT:-420}" 20 \
         tests/test_cuda_rope.py tests/test_cuda_rms_norm.py tests/test_bench.py \
-        tests/test_turns.py 2>&1 | tee "$OUT/tests2b.log" | tail -20
-      rc=$((rc | PIPESTATUS[0])) ;;
+        tests/test_turns.py ;;
     gemmtests)  # the GEMM families' tests (~170 s on an H200): `tests` and these do not fit
                 # one 600 s call together
-      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
-        tests/test_gemm_cuda.py tests/test_sweep.py 2>&1 | tee "$OUT/gemmtests.log" | tail -20
-      rc=$((rc | PIPESTATUS[0])) ;;
+      pytest_step gemmtests "${TEST_TIMEOUT:-420}" 20 \
+        tests/test_gemm_cuda.py tests/test_sweep.py ;;
     ptests)
-      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
-        tests/test_cuda_prefill.py tests/test_cuda_layer.py 2>&1 | tee "$OUT/ptests.log" | tail -40
-      rc=$((rc | PIPESTATUS[0])) ;;
+      pytest_step ptests "${TEST_TIMEOUT:-420}" 40 \
+        tests/test_cuda_prefill.py tests/test_cuda_layer.py ;;
     sdpa|sdpaquick|sdpatests)
-      timeout 300 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
-        tests/test_cuda_sdpa.py "tests/test_cuda_layer.py::test_masked_chunks_run_the_sdpa_kernel" \
-        2>&1 | tee "$OUT/sdpa_tests.log" | tail -20
-      rc=$((rc | PIPESTATUS[0]))
+      pytest_step sdpa_tests 300 20 \
+        tests/test_cuda_sdpa.py "tests/test_cuda_layer.py::test_masked_chunks_run_the_sdpa_kernel"
       [ "$what" = sdpatests ] && continue
       quick=""; [ "$what" = sdpaquick ] && quick="--quick"
       timeout 300 python3 benchmarks/sdpa_ab.py "$OUT/sdpa_ab_$GPU_TAG.json" $quick \
@@ -115,9 +115,7 @@ for what in "$@"; do
         | tee "$OUT/sdpa_layer_ab.log" | tail -5
       rc=$((rc | PIPESTATUS[0])) ;;
     shared)  # prefill_flash over shared tiles: the prefill kernels' tests, then the A/B
-      timeout 300 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_prefill.py \
-        2>&1 | tee "$OUT/shared_tests.log" | tail -20
-      rc=$((rc | PIPESTATUS[0]))
+      pytest_step shared_tests 300 20 tests/test_cuda_prefill.py
       timeout 280 python3 benchmarks/prefill_shared_ab.py "$OUT/prefill_shared_ab_$GPU_TAG.json" \
         --prefixes "${SHARED_PREFIXES:-32768,131072}" ${SHARED_AB_ARGS:-} 2>&1 | tee "$OUT/prefill_shared_ab.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
@@ -182,9 +180,8 @@ PY
           | tee "$OUT/prefill_parts_graphs$g.log"
       done ;;
     ktests)
-      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_prefill.py \
-        tests/test_cuda_layer.py -k "prefill or chunk" 2>&1 | tee "$OUT/ktests.log" | tail -20
-      rc=$((rc | PIPESTATUS[0])) ;;
+      pytest_step ktests "${TEST_TIMEOUT:-420}" 20 \
+        tests/test_cuda_prefill.py tests/test_cuda_layer.py -k "prefill or chunk" ;;
     parts)
       timeout 400 python3 benchmarks/prefill_parts.py "$OUT/prefill_parts.json" \
         --prefixes "${PARTS_PREFIXES:-32k,128k}" 2>&1 \
@@ -224,9 +221,8 @@ PY
         2>&1 | tee "$OUT/tp1_nccl.log"
       rc=$((rc | PIPESTATUS[0])) ;;
     gate)  # the fused output gate: its kernel and layer tests, then the layer-step A/B
-      timeout 300 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_decode.py \
-        tests/test_cuda_layer.py -k "gate" 2>&1 | tee "$OUT/gate_tests.log" | tail -8
-      rc=$((rc | PIPESTATUS[0]))
+      pytest_step gate_tests 300 8 \
+        tests/test_cuda_decode.py tests/test_cuda_layer.py -k "gate"
       timeout 240 python3 benchmarks/gate_ab.py "$OUT/gate_ab_$GPU_TAG.json" 2>&1 | tee "$OUT/gate_ab.log"
       rc=$((rc | PIPESTATUS[0])) ;;
     decodeab)
@@ -239,20 +235,17 @@ PY
         ${SELSWEEP_ARGS:-} 2>&1 | tee "$OUT/select_sweep.log" | tail -8
       rc=$((rc | PIPESTATUS[0])) ;;
     divtests)  # the score division (common.cuh div_sqrt128) and the selections it scores
-      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
+      pytest_step divtests "${TEST_TIMEOUT:-420}" 8 \
         tests/test_cuda_exact_div.py tests/test_cuda_decode.py tests/test_cuda_prefill.py \
-        -k "exact_div or select or exact_dots or chunks or many_rows or scores_plane" 2>&1 \
-        | tee "$OUT/divtests.log" | tail -8
-      rc=$((rc | PIPESTATUS[0])) ;;
+        -k "exact_div or select or exact_dots or chunks or many_rows or scores_plane" ;;
     seldiff)  # why a prefill selection differs from the portable path's (float32 sum orders)
       timeout 200 python3 benchmarks/selection_diff.py --prefixes "${SELDIFF_PREFIXES:-16384}" \
         --sets "${SELDIFF_SETS:-2}" --out "$OUT/selection_diff_$GPU_TAG.json" 2>&1 \
         | tee "$OUT/selection_diff.log" | cut -c1-600 | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     stamptest)  # the GPU timer stamp the bench's `_gpu` entries read
-      timeout 200 python3 -m pytest -o addopts= -q -rs -p no:cacheprovider tests/test_cuda_stamp.py \
-        tests/test_bench.py 2>&1 | tee "$OUT/stamptest.log" | tail -5
-      rc=$((rc | PIPESTATUS[0])) ;;
+      pytest_step stamptest 200 5 \
+        tests/test_cuda_stamp.py tests/test_bench.py ;;
     timeline)  # a CUPTI timeline (torch.profiler) of sync decode steps and a prefill chunk's parts
       timeout "${TIMELINE_TIMEOUT:-240}" python3 benchmarks/timeline.py "$OUT/timeline" ${TIMELINE_ARGS:-} \
         2>&1 | tee "$OUT/timeline.log" | tail -80
@@ -270,10 +263,8 @@ PY
       rc=$((rc | PIPESTATUS[0])) ;;
     compiletests)  # their GPU tests: the CUDA layer's, the decode launch's and the fused gate's
                    # (a fresh process first compiles every kernel: 180 s was too short, r3)
-      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -o addopts= -q -rs -p no:cacheprovider \
-        tests/test_cuda_layer.py tests/test_cuda_decode.py -k "layer or decode_launch or gate" \
-        2>&1 | tee "$OUT/compile_tests.log" | tail -8
-      rc=$((rc | PIPESTATUS[0])) ;;
+      pytest_step compile_tests "${TEST_TIMEOUT:-420}" 8 \
+        tests/test_cuda_layer.py tests/test_cuda_decode.py -k "layer or decode_launch or gate" ;;
     prompt)
       timeout "${PROMPT_TIMEOUT:-400}" python3 -m mlx_qsa bench prompt --sets 2 --repeats 3 \
         --warmup 1 ${PROMPT_ARGS:---contexts 8k,32k --large-from 8192 --no-portable} \
