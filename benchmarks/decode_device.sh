@@ -47,6 +47,8 @@
 #          its graph build alone (benchmarks/compile_ab.py; COMPILEAB_ARGS, e.g. "--points 131072x1")
 # compiledecode: compileab at 128K (1, 4 rows) and 8K, then the layer step with
 #          MLX_QSA_COMPILE_DECODE unset vs 0 (gate_ab.py --switch); compiletests: their GPU tests
+# selphases: the decode selector's phases by its SM clock stamps, and its forms on the GPU clock
+#          in turns (benchmarks/select_phases.py; SELPHASES_ARGS, e.g. "--points 131072x1")
 # timeline: benchmarks/timeline.py (CUPTI timeline of decode and prefill steps; TIMELINE_ARGS)
 # Test steps run under TEST_TIMEOUT seconds each (default 420) and append each failure's report
 # to $OUT/failures.txt as it happens (QSA_FAIL_LOG, tests/conftest.py): a call stopped at its
@@ -253,6 +255,10 @@ PY
     compileab)  # the decode step eager against mx.compile'd, in turns (benchmarks/compile_ab.py)
       timeout "${COMPILEAB_TIMEOUT:-400}" python3 benchmarks/compile_ab.py "$OUT/compile_ab_$GPU_TAG.json" \
         ${COMPILEAB_ARGS:-} 2>&1 | tee "$OUT/compile_ab.log" | tail -20
+      rc=$((rc | PIPESTATUS[0])) ;;
+    selphases)  # the decode selector: phase clocks and forms (benchmarks/select_phases.py)
+      timeout "${SELPHASES_TIMEOUT:-300}" python3 benchmarks/select_phases.py \
+        "$OUT/select_phases_$GPU_TAG.json" ${SELPHASES_ARGS:-} 2>&1 | tee "$OUT/select_phases.log" | tail -20
       rc=$((rc | PIPESTATUS[0])) ;;
     compiledecode)  # compiled decode launches: the A/B of the step forms, then the layer A/B
       timeout 200 python3 benchmarks/compile_ab.py "$OUT/compile_ab_$GPU_TAG.json" \

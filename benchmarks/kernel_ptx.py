@@ -67,6 +67,17 @@ JOBS = {
         "selector.cu", "score+select", SEL_IN + [("ctr", "int32_t")], SEL_OUT + TK_OUT + ROWS,
         SEL_T + [("NT", 256)] + TOPK_T, FUSED + "#define QSA_ROW_TOKENS\n",
     ),
+    "fused_stamps": (
+        "selector.cu", "score+select", SEL_IN + [("ctr", "int32_t")],
+        SEL_OUT + TK_OUT + [("stamps", "int64_t")], SEL_T + [("NT", 256)] + TOPK_T,
+        FUSED + "#define QSA_STAMPS\n",
+    ),
+    "topk_stamps": (
+        "selector.cu", "topk+select",
+        [("adj", "float"), ("summ", "uint32_t"), ("nbs", "int32_t"), ("pos", "int32_t")],
+        TK_OUT + [("stamps", "int64_t")],
+        [("K", 512), ("RATIO", 4), ("L", 8), ("CAP", 4096), ("NT", 512)], "#define QSA_STAMPS\n",
+    ),
     "fused_split": (
         "selector.cu", "score+select", SEL_IN + [("ctr", "int32_t")], SEL_OUT + TK_OUT,
         SEL_T + [("NT", 512)] + TOPK_T, FUSED + "#define QSA_SPLIT_HEADS\n",

@@ -26,6 +26,9 @@ static_assert(HI == 2 || HI == 4 || HI == 8, "HI must divide a warp");
 #else
 constexpr int QROW = DI, NB = NT;  // one thread per block key
 #endif
+#ifdef QSA_STAMPS
+const long long qsa_clk0 = clock64();  // diagnostics: see the `select` section's QSA_STAMP
+#endif
 extern __shared__ __align__(16) unsigned char qsa_dyn_smem[];
 float* qs = reinterpret_cast<float*>(qsa_dyn_smem);  // qs[(r * HI + h) * QROW + d], 64 rows
 __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(qsa_dyn_smem + 64 * QROW * 4);  // [NB][KS]
@@ -143,6 +146,9 @@ if (b0 < maxnb) {  // else the whole CTA is past every row's blocks (uniform: ba
 // earlier tickets or are still scoring, so they cannot starve them). The last of them past its
 // wait zeroes the counter slot again for the next launch on the stream.
 __shared__ int ticket_s;
+#ifdef QSA_STAMPS
+const long long qsa_clk1 = clock64();
+#endif
 __threadfence();
 __syncthreads();
 if (tid == 0) ticket_s = atomicAdd(const_cast<int*>(ctr), 1);
@@ -161,6 +167,13 @@ __syncthreads();
 const int p = pos[row];
 const int nb = nbs_s[row];
 const int lane = tid & 31;
+#ifdef QSA_STAMPS
+if (tid == 0) {
+  stamps[row * 16 + 0] = qsa_clk0;  // this CTA's start, its scores out, its wait over
+  stamps[row * 16 + 1] = qsa_clk1;
+  stamps[row * 16 + 2] = clock64();
+}
+#endif
 #endif
 
 //// kernel: topk
@@ -173,6 +186,9 @@ const long long npad = adj_shape[1];
 const int p = pos[row];
 const int nb = nbs[row];
 const int tid = threadIdx.x, lane = tid & 31;
+#ifdef QSA_STAMPS
+if (tid == 0) stamps[row * 16 + 0] = stamps[row * 16 + 1] = stamps[row * 16 + 2] = clock64();
+#endif
 
 //// kernel: select
 // Exact top-K of one row in the order (adj desc, id asc), by one CTA of NT threads (a fragment:
@@ -185,6 +201,15 @@ const int tid = threadIdx.x, lane = tid & 31;
 // and an exact radix select (value, then ~id for ties) runs there. Past CAP candidates the same
 // select streams every block from global memory instead (slow, exact). Scores and summaries are
 // read through L2 (__ldcg): in the fused kernel other CTAs wrote them moments before.
+// With QSA_STAMPS (benchmarks/select_phases.py only) an extra output stamps [S, 16] int64 takes
+// the SM clock at the phase ends below (slots 3..9; 0..2 are set before this section) and the
+// candidate count (slot 10).
+#ifdef QSA_STAMPS
+#define QSA_STAMP(i, v) \
+  if (tid == 0) stamps[row * 16 + (i)] = (v)
+#else
+#define QSA_STAMP(i, v)
+#endif
 constexpr int NW = NT / 32;
 unsigned* cand_key = reinterpret_cast<unsigned*>(qsa_dyn_smem);
 int* cand_id = reinterpret_cast<int*>(cand_key + CAP);
@@ -275,6 +300,7 @@ if (nsum >= K) {
   }
 }
 __syncthreads();
+QSA_STAMP(3, clock64());
 
 // 2. Candidates: every block with adj >= u (all blocks when u == 0), U float4 loads of a
 // thread in flight at once (the scan is latency-bound: one CTA reads the row's whole plane).
@@ -323,6 +349,8 @@ for (int base = 0; base < nb; base += NT * 4 * U) {
 __syncthreads();
 const int ncand = cand_n;
 const bool in_smem = ncand <= CAP;
+QSA_STAMP(4, clock64());
+QSA_STAMP(10, ncand);
 
 // 3. Exact K-th largest key t, then the lowest ids among keys equal to t.
 auto get_c = [&](int i, unsigned& key) {
@@ -338,6 +366,7 @@ if (in_smem) r1 = qsa::block_select_desc<NT>(ncand, K, get_c, hist, ctl);
 else r1 = qsa::block_select_desc<NT>(nb, K, get_g, hist, ctl);
 const unsigned t = r1.t;
 unsigned idmax = 0xffffffffu;
+QSA_STAMP(5, clock64());
 if (r1.k_rem != r1.n_eq) {
   auto tie_c = [&](int i, unsigned& key) {
     key = ~(unsigned)cand_id[i];
@@ -352,6 +381,7 @@ if (r1.k_rem != r1.n_eq) {
   else t2 = qsa::block_select_desc<NT>(nb, r1.k_rem, tie_g, hist, ctl).t;
   idmax = ~t2;
 }
+QSA_STAMP(6, clock64());
 
 // 4. Mark the selection in a bitmap, then write it out in ascending id order: each selected
 // candidate writes its own slot (its rank among the selected ids: its word owner's offset plus
@@ -371,6 +401,7 @@ if (in_smem) {
   }
 }
 __syncthreads();
+QSA_STAMP(7, clock64());
 const int wpt = (nwords + NT - 1) / NT;
 const int w0 = tid * wpt;
 const int w1 = min(w0 + wpt, nwords);
@@ -378,6 +409,7 @@ int cnt = 0;
 for (int w = w0; w < w1; ++w) cnt += __popc(bitmap[w]);
 int total = 0;
 int off = qsa::block_excl_scan<NT>(cnt, scan_buf, &total);
+QSA_STAMP(8, clock64());
 if (in_smem) {
   static_assert(NT <= 512, "the word owners' offsets reuse the 512-word histogram");
   unsigned* owner_off = hist;  // free once the selects are done
@@ -404,3 +436,7 @@ if (in_smem) {
   }
 }
 for (int i = total + tid; i < K; i += NT) emit_empty(i);  // never taken when the select is exact
+#ifdef QSA_STAMPS
+__syncthreads();
+QSA_STAMP(9, clock64());
+#endif

@@ -324,24 +324,27 @@ def _plan_fused(
     ratio: int,
     mode: str,
     split: int = 0,
+    stamps: bool = False,
 ):
     """The one-launch selector: score CTAs of ``_NT_FUSED`` threads (or ``_NT_SPLIT`` with
-    ``split`` = H_I threads per block key), the top-k by the last S."""
+    ``split`` = H_I threads per block key), the top-k by the last S. ``stamps``: a diagnostic
+    build whose last output is the rows' phase clocks (selector.cu QSA_STAMPS)."""
     nt = _NT_SPLIT if split else _NT_FUSED
     keys_per_cta = nt // split if split else nt
     rows = mode == "row_tokens"
-    names, shapes, dtypes = _top_k_outputs(S, K, ratio, rows)
+    names, shapes, dtypes = _top_k_outputs(S, K, ratio, rows, stamps)
     kernel = _launch.build(
         "selector.cu",
         "score+select",
         ("index_q", "pooled", "pos", "ctr"),
         ("adj", "summ", "nbs") + names,
-        ("fused", mode) + (("split",) if split else ()),
+        ("fused", mode) + (("split",) if split else ()) + (("stamps",) if stamps else ()),
         shared_memory=fused_smem_bytes(npad, split),
         ensure_row_contiguous=True,
         prefix="#define QSA_FUSED\n"
         + ("#define QSA_ROW_TOKENS\n" if rows else "")
-        + ("#define QSA_SPLIT_HEADS\n" if split else ""),
+        + ("#define QSA_SPLIT_HEADS\n" if split else "")
+        + ("#define QSA_STAMPS\n" if stamps else ""),
         template=(("HI", n_heads), ("RATIO", ratio), ("L", _L), ("NT", nt))
         + (("K", K), ("CAP", _CAP)),
     )
@@ -380,9 +383,12 @@ def top_k_from_plane(
     return _plan_top_k(adj.shape[0], block_topk, ratio, npad, mode)(adj, summ, nbs, pos)
 
 
-def _top_k_outputs(S: int, K: int, ratio: int, rows: bool) -> tuple[tuple, list, list]:
+def _top_k_outputs(
+    S: int, K: int, ratio: int, rows: bool, stamps: bool = False
+) -> tuple[tuple, list, list]:
     """Names, shapes and dtypes of the `select` section's outputs (either kernel that runs it):
-    ids, valid, scores, and in `row_tokens` mode (`rows`) slots and slot_valid."""
+    ids, valid, scores, in `row_tokens` mode (`rows`) slots and slot_valid, and with `stamps`
+    the diagnostic phase clocks."""
     names = ("ids", "valid", "scores")
     shapes = [(S, K), (S, K), (S, K)]
     dtypes = [mx.int32, mx.bool_, mx.float32]
@@ -390,6 +396,10 @@ def _top_k_outputs(S: int, K: int, ratio: int, rows: bool) -> tuple[tuple, list,
         names += ("slots", "slot_valid")
         shapes += [(S, K * ratio + ratio)] * 2
         dtypes += [mx.int32, mx.bool_]
+    if stamps:
+        names += ("stamps",)
+        shapes.append((S, 16))
+        dtypes.append(mx.int64)
     return names, shapes, dtypes
 
 
@@ -399,10 +409,10 @@ def topk_shape(rows: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_top_k(S: int, K: int, ratio: int, npad: int, mode: str):
+def _plan_top_k(S: int, K: int, ratio: int, npad: int, mode: str, stamps: bool = False):
     rows = mode == "row_tokens"
     nt, cap = topk_shape(S)
-    outputs, shapes, dtypes = _top_k_outputs(S, K, ratio, rows)
+    outputs, shapes, dtypes = _top_k_outputs(S, K, ratio, rows, stamps)
     # One size class per bitmap bound, so the dynamic shared memory never changes under a name.
     smem = topk_smem_bytes(npad, cap)
     topk = _launch.build(
@@ -410,10 +420,11 @@ def _plan_top_k(S: int, K: int, ratio: int, npad: int, mode: str):
         "topk+select",
         ("adj", "summ", "nbs", "pos"),
         outputs,
-        (mode,),
+        (mode,) + (("stamps",) if stamps else ()),
         shared_memory=smem,
         ensure_row_contiguous=True,
-        prefix="#define QSA_ROW_TOKENS\n" if rows else "",
+        prefix=("#define QSA_ROW_TOKENS\n" if rows else "")
+        + ("#define QSA_STAMPS\n" if stamps else ""),
         template=(("K", K), ("RATIO", ratio), ("L", _L), ("CAP", cap), ("NT", nt)),
     )
 

@@ -1,0 +1,163 @@
+"""Where the decode selector's time goes, on the GPU (issue 5: the selector is ~35 of the ~51 µs
+of kernel time in a 128K one-row step).
+
+Two measures, over `--sets` rotated DecodeSets per point:
+- **phases**: the one-launch selector built with `QSA_STAMPS` (selector.cu), whose top-k CTA
+  records its SM clock at each phase end: its own scoring, the wait for the other CTAs, the
+  lower bound u from the summaries, the candidate scan, the radix select, the tie select, the
+  bitmap, the offsets, the writes; and the candidate count. Medians in cycles and in µs at the
+  SM clock given by `--mhz` (the lent H100s run at 1980 MHz).
+- **forms on the GPU clock** (`bench.mlx_gpu_pass`, in turns): the selector as the library runs
+  it, the two-launch form (``MLX_QSA_SELECT_ONE_LAUNCH=0``), the split-heads form
+  (``MLX_QSA_SELECT_SPLIT_HEADS=1``) and `--extra` forms named by switches; each form's
+  selection is checked bit for bit against the default's.
+
+    python3 benchmarks/select_phases.py OUT.json [--points 8192x1,32768x1,131072x1,131072x4]
+        [--sets 8] [--repeats 7] [--mhz 1980] [--extra NAME=VALUE,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+from mlx_qsa import bench
+from mlx_qsa.config import QSAConfig
+from mlx_qsa.kernels import _launch, selector
+
+# stamp slots (selector.cu QSA_STAMP) -> phase names, as consecutive differences
+PHASES = ("own_scoring", "wait_for_others", "bound_u", "candidate_scan", "radix_select",
+          "tie_select", "bitmap", "offsets", "writes")  # fmt: skip
+FORMS = {
+    "default": {},
+    "two_launch": {"MLX_QSA_SELECT_ONE_LAUNCH": "0"},
+    "split_heads": {"MLX_QSA_SELECT_SPLIT_HEADS": "1"},
+}
+
+
+def switches(values: dict[str, str]) -> None:
+    for name in {n for f in FORMS.values() for n in f}:
+        bench.set_switch(name, values.get(name))
+
+
+def select(cfg: QSAConfig, s: bench.DecodeSet) -> tuple[mx.array, ...]:
+    mode = "blocks" if s.rows == 1 else "row_tokens"
+    return selector.select_blocks_cuda(
+        s.index_q, s.pooled, s.positions, block_topk=cfg.block_topk,
+        ratio=cfg.indexer_compress_ratio, mode=mode,
+    )  # fmt: skip
+
+
+def phases(cfg: QSAConfig, sets: list, repeats: int, mhz: float) -> dict:
+    s0 = sets[0]
+    S, HI = s0.rows, s0.index_q.shape[1]
+    npad = -(-s0.pooled.shape[1] // 128) * 128
+    mode = "blocks" if S == 1 else "row_tokens"
+    run = selector._plan_fused(
+        True, S, HI, npad, cfg.block_topk, cfg.indexer_compress_ratio, mode, 0, stamps=True
+    )
+    deltas: dict[str, list[int]] = {p: [] for p in PHASES}
+    total, ncand, same = [], [], True
+    for _ in range(repeats):
+        for s in sets:
+            out = run(s.index_q, s.pooled, s.positions, _launch.counter_slot())
+            ref = select(cfg, s)
+            mx.eval(out, ref)
+            same = same and all(
+                mx.array_equal(a, b).item() for a, b in zip(out[:-1], ref, strict=True)
+            )
+            st = out[-1].tolist()
+            for row in st:
+                if row[10] <= 0:  # dense row: the select returned before its phases
+                    continue
+                for i, p in enumerate(PHASES):
+                    deltas[p].append(row[i + 1] - row[i])
+                total.append(row[9] - row[0])
+                ncand.append(row[10])
+    cyc = {p: statistics.median(v) for p, v in deltas.items() if v}
+    return {
+        "same_bits_as_default": same,
+        "cycles": cyc,
+        "us_at_mhz": {p: c / mhz for p, c in cyc.items()},
+        "last_cta_total_us": statistics.median(total) / mhz if total else None,
+        "top_k_us": (sum(c for p, c in cyc.items() if p not in PHASES[:2]) / mhz) if cyc else None,
+        "candidates_median": statistics.median(ncand) if ncand else None,
+        "samples": len(total),
+    }
+
+
+def forms(cfg: QSAConfig, sets: list, repeats: int) -> dict:
+    switches({})
+    ref = [select(cfg, s) for s in sets]
+    mx.eval(ref)
+    checks, passes = {}, {}
+    for name, values in FORMS.items():
+        switches(values)
+        got = [select(cfg, s) for s in sets]
+        mx.eval(got)
+        checks[name] = all(
+            mx.array_equal(a, b).item()
+            for g, r in zip(got, ref, strict=True)
+            for a, b in zip(g, r, strict=True)
+        )
+        one = bench.mlx_gpu_pass(lambda i: select(cfg, sets[i]), len(sets))
+
+        def timed(one=one, values=values) -> float:
+            switches(values)
+            return one()
+
+        passes[name] = timed
+    timings = bench.time_in_turns(passes, 2, repeats, 1.0)
+    switches({})
+    return {"checks": checks, "gpu_us": {k: v["median_us"] for k, v in timings.items()},
+            "timings": timings}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--points", default="8192x1,32768x1,131072x1,131072x4")
+    ap.add_argument("--sets", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--mhz", type=float, default=1980.0)
+    ap.add_argument("--extra", default="", help="more forms: NAME=VALUE[;NAME=VALUE],... ")
+    a = ap.parse_args()
+    if not mx.cuda.is_available():
+        print("select_phases: needs MLX's CUDA backend", file=sys.stderr)
+        return 2
+    for i, spec in enumerate(x for x in a.extra.split(",") if x):
+        FORMS[f"extra{i}"] = dict(kv.split("=", 1) for kv in spec.split(";"))
+    cfg = QSAConfig()
+    doc = {"environment": bench.environment("cuda"), "command": " ".join(sys.argv),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "mhz": a.mhz,
+           "forms": FORMS, "points": []}  # fmt: skip
+    ok = True
+    for spec in a.points.split(","):
+        T, rows = (int(v) for v in spec.split("x"))
+        sets = [bench.DecodeSet(cfg, T, rows, seed) for seed in range(a.sets)]
+        rec = {"context": T, "rows": rows, "phases": phases(cfg, sets, 3, a.mhz)}
+        rec.update(forms(cfg, sets, a.repeats))
+        ok = ok and rec["phases"]["same_bits_as_default"] and all(rec["checks"].values())
+        ph = rec["phases"]
+        print(f"T={T} rows={rows} gpu_us={ {k: round(v, 1) for k, v in rec['gpu_us'].items()} } "
+              f"checks={rec['checks']} stamps_same={ph['same_bits_as_default']} "
+              f"ncand={ph['candidates_median']} top_k_us={ph['top_k_us']}", flush=True)  # fmt: skip
+        print(
+            "  phases us: " + ", ".join(f"{k}={v:.2f}" for k, v in ph["us_at_mhz"].items()),
+            flush=True,
+        )
+        doc["points"].append(rec)
+        del sets
+        bench.release_device_memory()
+    with open(a.out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
