@@ -19,6 +19,7 @@ Two measures, over `--sets` rotated DecodeSets per point:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -38,6 +39,19 @@ FORMS = {
     "two_launch": {"MLX_QSA_SELECT_ONE_LAUNCH": "0"},
     "split_heads": {"MLX_QSA_SELECT_SPLIT_HEADS": "1"},
 }
+
+
+def phase_cycles(row: list[int]) -> dict[str, int] | None:
+    """One row's stamps (selector.cu QSA_STAMP: clocks in slots 0..9, the candidate count in
+    slot 10) as cycles per phase, with `total` and `candidates`; None for a dense row (at most
+    K visible blocks: its select returns before the phases, and slots 3..10 are never written)."""
+    clocks, ncand = row[:10], row[10]
+    if ncand <= 0 or any(b < a for a, b in itertools.pairwise(clocks)):
+        return None
+    out = {p: clocks[i + 1] - clocks[i] for i, p in enumerate(PHASES)}
+    out["total"] = clocks[9] - clocks[0]
+    out["candidates"] = ncand
+    return out
 
 
 def switches(values: dict[str, str]) -> None:
@@ -61,8 +75,8 @@ def phases(cfg: QSAConfig, sets: list, repeats: int, mhz: float) -> dict:
     run = selector._plan_fused(
         True, S, HI, npad, cfg.block_topk, cfg.indexer_compress_ratio, mode, 0, stamps=True
     )
-    deltas: dict[str, list[int]] = {p: [] for p in PHASES}
-    total, ncand, same = [], [], True
+    deltas: dict[str, list[int]] = {p: [] for p in (*PHASES, "total", "candidates")}
+    same = True
     for _ in range(repeats):
         for s in sets:
             out = run(s.index_q, s.pooled, s.positions, _launch.counter_slot())
@@ -71,23 +85,20 @@ def phases(cfg: QSAConfig, sets: list, repeats: int, mhz: float) -> dict:
             same = same and all(
                 mx.array_equal(a, b).item() for a, b in zip(out[:-1], ref, strict=True)
             )
-            st = out[-1].tolist()
-            for row in st:
-                if row[10] <= 0:  # dense row: the select returned before its phases
-                    continue
-                for i, p in enumerate(PHASES):
-                    deltas[p].append(row[i + 1] - row[i])
-                total.append(row[9] - row[0])
-                ncand.append(row[10])
-    cyc = {p: statistics.median(v) for p, v in deltas.items() if v}
+            for row in out[-1].tolist():
+                ph = phase_cycles(row)
+                for p, v in (ph or {}).items():
+                    deltas[p].append(v)
+    ncand = deltas.pop("candidates")
+    med = {p: statistics.median(v) for p, v in deltas.items() if v}
+    top_k = [p for p in PHASES[2:] if p in med]
     return {
         "same_bits_as_default": same,
-        "cycles": cyc,
-        "us_at_mhz": {p: c / mhz for p, c in cyc.items()},
-        "last_cta_total_us": statistics.median(total) / mhz if total else None,
-        "top_k_us": (sum(c for p, c in cyc.items() if p not in PHASES[:2]) / mhz) if cyc else None,
+        "cycles": med,
+        "us_at_mhz": {p: c / mhz for p, c in med.items()},
+        "top_k_us": sum(med[p] for p in top_k) / mhz if top_k else None,
         "candidates_median": statistics.median(ncand) if ncand else None,
-        "samples": len(total),
+        "samples": len(ncand),
     }
 
 

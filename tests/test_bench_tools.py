@@ -180,3 +180,16 @@ def test_prompt_table_counts_each_entrys_routes():
     ]
     assert cells[3:8] == ["68.00", "34.00", "70.00", "40.00", "17.00"]
     assert cells[8] == "2.00 / 1.75" and cells[9] == "0.50"
+
+
+def test_select_phases_reads_a_rows_stamps():
+    sp = _script("select_phases")
+    clocks = [100, 400, 900, 1000, 1300, 1350, 1350, 1400, 1420, 1500]
+    ph = sp.phase_cycles(clocks + [713] + [0] * 5)
+    assert ph["own_scoring"] == 300 and ph["wait_for_others"] == 500
+    assert ph["candidate_scan"] == 300 and ph["tie_select"] == 0 and ph["writes"] == 80
+    assert ph["total"] == 1400 and ph["candidates"] == 713
+    assert sum(ph[p] for p in sp.PHASES) == ph["total"]
+    assert sp.phase_cycles(clocks + [0] * 6) is None  # a dense row: no phases
+    garbage = [5, 3] + clocks[2:]  # slots never written hold whatever was there
+    assert sp.phase_cycles(garbage + [713] + [0] * 5) is None
