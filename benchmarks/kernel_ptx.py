@@ -72,6 +72,11 @@ JOBS = {
         SEL_OUT + TK_OUT + [("stamps", "int64_t")], SEL_T + [("NT", 256)] + TOPK_T,
         FUSED + "#define QSA_STAMPS\n",
     ),
+    "fused_split_stamps": (
+        "selector.cu", "score+select", SEL_IN + [("ctr", "int32_t")],
+        SEL_OUT + TK_OUT + [("stamps", "int64_t")], SEL_T + [("NT", 512)] + TOPK_T,
+        FUSED + "#define QSA_SPLIT_HEADS\n#define QSA_STAMPS\n",
+    ),
     "topk_stamps": (
         "selector.cu", "topk+select",
         [("adj", "float"), ("summ", "uint32_t"), ("nbs", "int32_t"), ("pos", "int32_t")],

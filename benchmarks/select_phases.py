@@ -2,11 +2,12 @@
 of kernel time in a 128K one-row step).
 
 Two measures, over `--sets` rotated DecodeSets per point:
-- **phases**: the one-launch selector built with `QSA_STAMPS` (selector.cu), whose top-k CTA
-  records its SM clock at each phase end: its own scoring, the wait for the other CTAs, the
-  lower bound u from the summaries, the candidate scan, the radix select, the tie select, the
-  bitmap, the offsets, the writes; and the candidate count. Medians in cycles and in µs at the
-  SM clock given by `--mhz` (the lent H100s run at 1980 MHz).
+- **phases**: each form's selector built with `QSA_STAMPS` (selector.cu), whose top-k CTA
+  records its SM clock at each phase end: its own scoring and the wait for the other CTAs (both
+  0 in the two-launch form, whose top-k is a kernel of its own), the lower bound u from the
+  summaries, the candidate scan, the radix select, the tie select, the bitmap, the offsets, the
+  writes; and the candidate count. Medians in cycles and in µs at the SM clock given by `--mhz`
+  (the lent H100s run at 1980 MHz).
 - **forms on the GPU clock** (`bench.mlx_gpu_pass`, in turns): the selector as the library runs
   it, the two-launch form (``MLX_QSA_SELECT_ONE_LAUNCH=0``), the split-heads form
   (``MLX_QSA_SELECT_SPLIT_HEADS=1``) and `--extra` forms named by switches; each form's
@@ -67,14 +68,17 @@ def select(cfg: QSAConfig, s: bench.DecodeSet) -> tuple[mx.array, ...]:
     )  # fmt: skip
 
 
-def phases(cfg: QSAConfig, sets: list, repeats: int, mhz: float) -> dict:
+def phases(cfg: QSAConfig, sets: list, repeats: int, mhz: float, form: dict[str, str]) -> dict:
+    """Phase clocks of the selector that `form`'s switches give, over the sets (medians), and
+    whether its selections are the default's bits."""
     s0 = sets[0]
-    S, HI = s0.rows, s0.index_q.shape[1]
-    npad = -(-s0.pooled.shape[1] // 128) * 128
-    mode = "blocks" if S == 1 else "row_tokens"
-    run = selector._plan_fused(
-        True, S, HI, npad, cfg.block_topk, cfg.indexer_compress_ratio, mode, 0, stamps=True
-    )
+    mode = "blocks" if s0.rows == 1 else "row_tokens"
+    switches(form)
+    run = selector._plan(
+        "select_phases", s0.index_q, s0.pooled, s0.positions, cfg.block_topk,
+        cfg.indexer_compress_ratio, mode, selector.select_one_launch_env(), stamps=True,
+    )  # fmt: skip
+    switches({})
     deltas: dict[str, list[int]] = {p: [] for p in (*PHASES, "total", "candidates")}
     same = True
     for _ in range(repeats):
@@ -151,17 +155,18 @@ def main() -> int:
     for spec in a.points.split(","):
         T, rows = (int(v) for v in spec.split("x"))
         sets = [bench.DecodeSet(cfg, T, rows, seed) for seed in range(a.sets)]
-        rec = {"context": T, "rows": rows, "phases": phases(cfg, sets, 3, a.mhz)}
+        rec = {"context": T, "rows": rows, "phases": {}}
         rec.update(forms(cfg, sets, a.repeats))
-        ok = ok and rec["phases"]["same_bits_as_default"] and all(rec["checks"].values())
-        ph = rec["phases"]
         print(f"T={T} rows={rows} gpu_us={ {k: round(v, 1) for k, v in rec['gpu_us'].items()} } "
-              f"checks={rec['checks']} stamps_same={ph['same_bits_as_default']} "
-              f"ncand={ph['candidates_median']} top_k_us={ph['top_k_us']}", flush=True)  # fmt: skip
-        print(
-            "  phases us: " + ", ".join(f"{k}={v:.2f}" for k, v in ph["us_at_mhz"].items()),
-            flush=True,
-        )
+              f"checks={rec['checks']}", flush=True)  # fmt: skip
+        for name, form in FORMS.items():
+            ph = rec["phases"][name] = phases(cfg, sets, 3, a.mhz, form)
+            ok = ok and ph["same_bits_as_default"]
+            print(f"  {name}: same bits {ph['same_bits_as_default']}, candidates "
+                  f"{ph['candidates_median']}, top-k {ph['top_k_us']} us; "
+                  + ", ".join(f"{k}={v:.2f}" for k, v in ph["us_at_mhz"].items()),
+                  flush=True)  # fmt: skip
+        ok = ok and all(rec["checks"].values())
         doc["points"].append(rec)
         del sets
         bench.release_device_memory()

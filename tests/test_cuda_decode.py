@@ -679,6 +679,73 @@ def test_select_split_heads_matches_two_launches(ctx, rows, n_heads, mode, set_s
             np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
+@needs_cuda
+@pytest.mark.parametrize("one_launch,split", [(True, "0"), (True, "1"), (False, "0")])
+def test_select_stamps_build_keeps_the_selection(one_launch, split, set_switch):
+    """The diagnostic build (QSA_STAMPS, benchmarks/select_phases.py) selects the same bits as
+    the library's selector, and its stamps are the top-k CTA's clocks in order and its
+    candidate count."""
+    from mlx_qsa.kernels import selector
+
+    rng = np.random.default_rng(83)
+    rows, ctx = 2, 131072
+    pos = [ctx - rows + i for i in range(rows)]
+    nb_max = (pos[-1] + 1) // 4
+    _, _, qm, km = make_selector_inputs(rng, rows, 4, bucket(nb_max), nb_max)
+    pm = mx.array(pos, dtype=mx.int32)
+    set_switch("MLX_QSA_SELECT_SPLIT_HEADS", split)
+    want = select_blocks_cuda(qm, km, pm, one_launch=one_launch)
+    run = selector._plan("t", qm, km, pm, 512, 4, "blocks", one_launch, stamps=True)
+    got = run(qm, km, pm, None)
+    mx.eval(want, got)
+    for a, b in zip(got[:-1], want, strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    stamps = np.array(got[-1])
+    assert stamps.shape == (rows, 16)
+    for row in stamps:
+        assert (np.diff(row[:10]) >= 0).all() and row[9] > row[2]
+        assert 512 <= row[10] <= 4096  # candidates: at least the selection, within the room
+
+
+def test_select_stamps_plumbing(monkeypatch):
+    """Any machine: `stamps=True` builds the kernel with QSA_STAMPS and an int64 [S, 16] output
+    after the selection's, in both forms; without it the library's kernels are untouched."""
+    from mlx_qsa.kernels import _launch, device, selector
+
+    built = []
+
+    class Kernel:
+        def __init__(self, **kw):
+            built.append(kw)
+
+        def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, **kw):
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device, "current", lambda: device.HOPPER)
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: Kernel(**kw))
+    _launch.build.cache_clear()  # kernels built here are stand-ins: none outlives the test
+    selector._plan_top_k.cache_clear()
+    try:
+        q = mx.zeros((1, 4, 3, 128), mx.bfloat16)
+        pooled = mx.zeros((1, 8192, 128), mx.bfloat16)
+        pos = mx.array([32765, 32766, 32767], mx.int32)
+        for one_launch in (True, False):
+            for stamps in (True, False):
+                built.clear()
+                run = selector._plan("t", q, pooled, pos, 512, 4, "blocks", one_launch, stamps)
+                out = run(q, pooled, pos, mx.zeros((2,), mx.int32))
+                last = built[-1]  # the kernel that runs the select
+                assert ("#define QSA_STAMPS" in last["source"]) == stamps
+                assert (last["output_names"][-1] == "stamps") == stamps
+                assert len(out) == 3 + stamps
+                if stamps:
+                    assert out[-1].shape == (3, 16) and out[-1].dtype == mx.int64
+    finally:
+        _launch.build.cache_clear()
+        selector._plan_top_k.cache_clear()
+
+
 def rows_gather_inputs(rng, rows: int, T: int = 20000):
     """q [1, 24, rows, 256], K/V backings at context T and per-row slots of the real width
     (512 blocks x 4 + a 4-token tail), 90% valid; the last row has no valid slot at all."""

@@ -262,9 +262,18 @@ _PLANS = _launch.Plans()
 
 
 def _plan(
-    fn: str, index_q, pooled, pos, block_topk: int, ratio: int, mode: str, one_launch: bool | None
+    fn: str,
+    index_q,
+    pooled,
+    pos,
+    block_topk: int,
+    ratio: int,
+    mode: str,
+    one_launch: bool | None,
+    stamps: bool = False,
 ):
-    """Checks a call's arguments and plans its launches (once per signature)."""
+    """Checks a call's arguments and plans its launches (once per signature). ``stamps``: the
+    diagnostic build (selector.cu QSA_STAMPS; the top-k's last output is its phase clocks)."""
     layer_layout = index_q.ndim == 4
     if layer_layout:  # the layer's layout, read in place (no transpose, no copy)
         if index_q.shape[0] != 1:
@@ -286,7 +295,7 @@ def _plan(
         )
     if one_launch:
         split = n_heads if split_heads_env() and n_heads in (2, 4, 8) else 0
-        return _plan_fused(layer_layout, S, n_heads, npad, block_topk, ratio, mode, split)
+        return _plan_fused(layer_layout, S, n_heads, npad, block_topk, ratio, mode, split, stamps)
     score = _launch.build(
         "selector.cu",
         "score",
@@ -299,7 +308,7 @@ def _plan(
     )
     shapes = [(S, npad), (S, npad // 32 * _L), (_nbs_len(S),)]
     dtypes = [mx.float32, mx.uint32, mx.int32]
-    top_k = _plan_top_k(S, block_topk, ratio, npad, mode)
+    top_k = _plan_top_k(S, block_topk, ratio, npad, mode, stamps)
 
     def run(q, pooled, pos, ctr=None):
         q4 = q if layer_layout else q.transpose(1, 0, 2)[None]
