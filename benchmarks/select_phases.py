@@ -45,7 +45,8 @@ FORMS = {
 def phase_cycles(row: list[int]) -> dict[str, int] | None:
     """One row's stamps (selector.cu QSA_STAMP: clocks in slots 0..9, the candidate count in
     slot 10) as cycles per phase, with `total` and `candidates`; None for a dense row (at most
-    K visible blocks: its select returns before the phases, and slots 3..10 are never written)."""
+    K visible blocks: its select writes 0 candidates and returns before the phases) or clocks
+    out of order (slots never written)."""
     clocks, ncand = row[:10], row[10]
     if ncand <= 0 or any(b < a for a, b in itertools.pairwise(clocks)):
         return None

@@ -264,6 +264,7 @@ auto emit_empty = [&](int i) {
 };
 
 if (nb <= K) {  // dense: every visible block, in order
+  QSA_STAMP(10, 0);
   for (int i = tid; i < K; i += NT) {
     if (i < nb) emit(i, i);
     else emit_empty(i);
