@@ -69,9 +69,15 @@ def select(cfg: QSAConfig, s: bench.DecodeSet) -> tuple[mx.array, ...]:
     )  # fmt: skip
 
 
-def phases(cfg: QSAConfig, sets: list, repeats: int, mhz: float, form: dict[str, str]) -> dict:
+def same_bits(got: tuple[mx.array, ...], want: tuple[mx.array, ...]) -> bool:
+    return all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))
+
+
+def phases(
+    cfg: QSAConfig, sets: list, ref: list, repeats: int, mhz: float, form: dict[str, str]
+) -> dict:
     """Phase clocks of the selector that `form`'s switches give, over the sets (medians), and
-    whether its selections are the default's bits."""
+    whether its selections are the default's bits (`ref`, one per set)."""
     s0 = sets[0]
     mode = "blocks" if s0.rows == 1 else "row_tokens"
     switches(form)
@@ -83,13 +89,10 @@ def phases(cfg: QSAConfig, sets: list, repeats: int, mhz: float, form: dict[str,
     deltas: dict[str, list[int]] = {p: [] for p in (*PHASES, "total", "candidates")}
     same = True
     for _ in range(repeats):
-        for s in sets:
+        for s, want in zip(sets, ref, strict=True):
             out = run(s.index_q, s.pooled, s.positions, _launch.counter_slot())
-            ref = select(cfg, s)
-            mx.eval(out, ref)
-            same = same and all(
-                mx.array_equal(a, b).item() for a, b in zip(out[:-1], ref, strict=True)
-            )
+            mx.eval(out)
+            same = same and same_bits(out[:-1], want)
             for row in out[-1].tolist():
                 ph = phase_cycles(row)
                 for p, v in (ph or {}).items():
@@ -107,20 +110,14 @@ def phases(cfg: QSAConfig, sets: list, repeats: int, mhz: float, form: dict[str,
     }
 
 
-def forms(cfg: QSAConfig, sets: list, repeats: int) -> dict:
-    switches({})
-    ref = [select(cfg, s) for s in sets]
-    mx.eval(ref)
+def forms(cfg: QSAConfig, sets: list, ref: list, repeats: int) -> dict:
+    """Each form on the GPU clock, in turns, and whether its selections are `ref`'s bits."""
     checks, passes = {}, {}
     for name, values in FORMS.items():
         switches(values)
         got = [select(cfg, s) for s in sets]
         mx.eval(got)
-        checks[name] = all(
-            mx.array_equal(a, b).item()
-            for g, r in zip(got, ref, strict=True)
-            for a, b in zip(g, r, strict=True)
-        )
+        checks[name] = all(same_bits(g, r) for g, r in zip(got, ref, strict=True))
         one = bench.mlx_gpu_pass(lambda i: select(cfg, sets[i]), len(sets))
 
         def timed(one=one, values=values) -> float:
@@ -156,12 +153,15 @@ def main() -> int:
     for spec in a.points.split(","):
         T, rows = (int(v) for v in spec.split("x"))
         sets = [bench.DecodeSet(cfg, T, rows, seed) for seed in range(a.sets)]
+        switches({})
+        ref = [select(cfg, s) for s in sets]  # the default form's selections
+        mx.eval(ref)
         rec = {"context": T, "rows": rows, "phases": {}}
-        rec.update(forms(cfg, sets, a.repeats))
+        rec.update(forms(cfg, sets, ref, a.repeats))
         print(f"T={T} rows={rows} gpu_us={ {k: round(v, 1) for k, v in rec['gpu_us'].items()} } "
               f"checks={rec['checks']}", flush=True)  # fmt: skip
         for name, form in FORMS.items():
-            ph = rec["phases"][name] = phases(cfg, sets, 3, a.mhz, form)
+            ph = rec["phases"][name] = phases(cfg, sets, ref, 3, a.mhz, form)
             ok = ok and ph["same_bits_as_default"]
             print(f"  {name}: same bits {ph['same_bits_as_default']}, candidates "
                   f"{ph['candidates_median']}, top-k {ph['top_k_us']} us; "
@@ -169,7 +169,7 @@ def main() -> int:
                   flush=True)  # fmt: skip
         ok = ok and all(rec["checks"].values())
         doc["points"].append(rec)
-        del sets
+        del sets, ref
         bench.release_device_memory()
     with open(a.out, "w") as fh:
         json.dump(doc, fh, indent=1)
