@@ -46,7 +46,8 @@
 # compileab: the decode step (selection + attention) eager against mx.compile'd, in turns, with
 #          its graph build alone (benchmarks/compile_ab.py; COMPILEAB_ARGS, e.g. "--points 131072x1")
 # compiledecode: compileab at 128K (1, 4 rows) and 8K, then the layer step with
-#          MLX_QSA_COMPILE_DECODE unset vs 0 (gate_ab.py --switch); compiletests: their GPU tests
+#          MLX_QSA_COMPILE_DECODE unset vs 0 (gate_ab.py --switch); compiletests: their GPU tests,
+#          the selector's stamps build and the bench's compiled selector
 # selphases: the decode selector's phases by its SM clock stamps, and its forms on the GPU clock
 #          in turns (benchmarks/select_phases.py; SELPHASES_ARGS, e.g. "--points 131072x1")
 # timeline: benchmarks/timeline.py (CUPTI timeline of decode and prefill steps; TIMELINE_ARGS)
@@ -270,7 +271,8 @@ PY
     compiletests)  # their GPU tests: the CUDA layer's, the decode launch's and the fused gate's
                    # (a fresh process first compiles every kernel: 180 s was too short, r3)
       pytest_step compile_tests "${TEST_TIMEOUT:-420}" 8 \
-        tests/test_cuda_layer.py tests/test_cuda_decode.py -k "layer or decode_launch or gate" ;;
+        tests/test_cuda_layer.py tests/test_cuda_decode.py tests/test_bench.py \
+        -k "layer or decode_launch or gate or stamps or qsa_step" ;;
     prompt)
       timeout "${PROMPT_TIMEOUT:-400}" python3 -m mlx_qsa bench prompt --sets 2 --repeats 3 \
         --warmup 1 ${PROMPT_ARGS:---contexts 8k,32k --large-from 8192 --no-portable} \
