@@ -4,7 +4,7 @@ generated signature (a stand-in `Shape`/`Strides`), compiled by nvcc for sm_90a 
 stripped. Two trees'
 outputs compared line by line show whether a source change altered any kernel's code.
 
-    python3 benchmarks/kernel_ptx.py OUT_DIR          # then: diff -r OUT_A OUT_B
+    python3 benchmarks/kernel_ptx.py OUT_DIR [JOB ...]  # then: diff -r OUT_A OUT_B
 
 Each kernel's line also gives ptxas's registers and static shared memory (sm_90a), the figure
 `device.STATIC_SMEM_BOUND` must stay above.
@@ -307,6 +307,8 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     inc = include_args()
     for name, job in JOBS.items():
+        if sys.argv[2:] and name not in sys.argv[2:]:
+            continue
         cu, ptx = f"{out}/{name}.cu", f"{out}/{name}.ptx"
         with open(cu, "w") as f:
             f.write(source(*job))
