@@ -10,6 +10,8 @@ Skips on a machine without MLX's CUDA backend.
 
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -290,9 +292,14 @@ def test_masked_chunks_run_the_sdpa_kernel(spy, monkeypatch, set_switch, gather_
     for a, b in zip(cuda.calls, portable.calls, strict=True):
         assert a.seen.impl == "cuda" and b.seen.impl == "portable"
         # bit for bit but at float32 near-ties: on the CPU, row 89 of the last chunk has its
-        # 16th and 17th blocks 1.5 ulps apart in float64
-        assert_selections_agree(a, b, CFG)
-        ya, yb = np.array(a.y.astype(mx.float32)), np.array(b.y.astype(mx.float32))
+        # 16th and 17th blocks 1.5 ulps apart in float64. A row whose near-tie fell the other
+        # way attends to another block, so its output is not compared (H100: once the chunk's
+        # outputs were 2.6 % apart in norm with near-ties only).
+        near = assert_selections_agree(a, b, CFG)
+        if near:
+            warnings.warn(f"S{a.S}@{a.P}: near-tie rows {near} not compared", stacklevel=1)
+        rows = np.setdiff1d(np.arange(a.S), near)
+        ya, yb = (np.array(c.y.astype(mx.float32))[:, rows] for c in (a, b))
         assert np.linalg.norm(ya - yb) <= 1e-2 * np.linalg.norm(yb), f"S{a.S}@{a.P}"
     for call in cuda.calls:
         # The oracle's float64 attention of the long chunk takes minutes; prefill blocks are
