@@ -257,6 +257,10 @@ def test_prompt_document(tmp_path, turns, monkeypatch) -> None:
     doc = json.loads(out.read_text())
     assert doc["bench"] == "prompt"
     assert doc["switches"] == {"MLX_QSA_COMPILE_DECODE": "0"}  # the run's switches, recorded
+    assert doc["blas"] == {
+        "mapped": bench.loaded_blas(),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+    }
     (p,) = doc["points"]
     assert p["prompt"] == 2200 and p["chunks"] == [512, 512, 512, 512, 152]
     ((entries, _, _, _),) = turns
@@ -466,3 +470,14 @@ def test_release_device_memory_empties_mlx_buffer_cache() -> None:
     assert mx.get_cache_memory() > 0
     bench.release_device_memory()
     assert mx.get_cache_memory() == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+def test_loaded_blas_names_the_mapped_blas_libraries() -> None:
+    """MLX's CPU matmuls link a BLAS (its wheel's bundled one unless another is preloaded), so
+    a process that has run one has a mapped library named *blas*; nothing else is listed."""
+    x = mx.ones((8, 8))
+    mx.eval(x @ x)
+    got = bench.loaded_blas()
+    assert got and all("blas" in os.path.basename(p).lower() for p in got), got
+    assert all(os.path.exists(p) for p in got)

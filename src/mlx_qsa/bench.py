@@ -221,6 +221,20 @@ def time_in_turns(
     return {name: summary(v) for name, v in samples.items()}
 
 
+def loaded_blas() -> list[str]:
+    """The BLAS libraries this process has mapped (Linux: /proc/self/maps), e.g. the netlib
+    reference BLAS that MLX's Linux CPU wheel bundles or an OpenBLAS preloaded in its place:
+    MLX's float32 CPU matmuls ran ~30x apart between those two here
+    (benchmarks/results/cpu_2026-12-07c). Empty where the maps cannot be read."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    paths = {ln.split(maxsplit=5)[5] for ln in lines if len(ln.split(maxsplit=5)) == 6}
+    return sorted(p for p in paths if "blas" in os.path.basename(p).lower())
+
+
 def host_calibration(repeats: int = 5, steps: int = 100) -> dict[str, float]:
     """µs per step of trivial work with a host round trip each, medians: MLX's `mx.eval` of one
     small op, and on CUDA torch's one small op + `torch.cuda.synchronize()`, in turns.
@@ -1347,6 +1361,9 @@ def run(args: argparse.Namespace) -> int:
         "environment": env,
         # the library's A/B switches set for this run (none: every default form)
         "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_QSA_")},
+        # CPU figures depend on which BLAS MLX calls (README, Linux CPU): the mapped ones, and
+        # LD_PRELOAD, whose libraries' symbols come first
+        "blas": {"mapped": loaded_blas(), "ld_preload": os.environ.get("LD_PRELOAD", "")},
         "geometry": QSAConfig().to_dict(),
         **body,
     }
