@@ -31,6 +31,25 @@ def stand_in_cuda() -> None:
     _launch.build.cache_clear()
 
 
+def stand_in_cuda_layer(context: int, rows: int):
+    """On the stand-in device (`stand_in_cuda`), a QSAAttention of the real geometry (fused=4,
+    bf16, seed 0) that routes to the CUDA implementations, a random cache at `context` and
+    `rows` input rows: (layer, cache, x)."""
+    stand_in_cuda()
+    import mlx_qsa.layer as layer_mod
+    from mlx_qsa.bench import layer_rows, random_cache
+    from mlx_qsa.config import QSAConfig, QSAOptions
+
+    # the stand-in device is a CUDA GPU the kernels run on
+    layer_mod.resolve_impl = lambda kernels="auto": "portable" if kernels == "portable" else "cuda"
+    cfg = QSAConfig()
+    mx.random.seed(0)
+    layer = layer_mod.QSAAttention(cfg, options=QSAOptions(kernels="auto"), fused=4)
+    layer.set_dtype(mx.bfloat16)
+    mx.eval(layer.parameters())
+    return layer, random_cache(layer, context, rows, seed=1), layer_rows(cfg, rows, seed=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=8192)

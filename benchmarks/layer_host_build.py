@@ -18,7 +18,7 @@ import statistics
 import time
 
 import mlx.core as mx
-from host_build import stand_in_cuda
+from host_build import stand_in_cuda_layer
 
 
 def main() -> None:
@@ -29,20 +29,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
-    stand_in_cuda()
-    import mlx_qsa.layer as layer_mod
-    from mlx_qsa.bench import decode_layer_step, layer_rows, random_cache, set_switch
-    from mlx_qsa.config import QSAConfig, QSAOptions
-
-    # the stand-in device is a CUDA GPU the kernels run on
-    layer_mod.resolve_impl = lambda kernels="auto": "portable" if kernels == "portable" else "cuda"
-    cfg = QSAConfig()
-    mx.random.seed(0)
-    layer = layer_mod.QSAAttention(cfg, options=QSAOptions(kernels="auto"), fused=4)
-    layer.set_dtype(mx.bfloat16)
-    mx.eval(layer.parameters())
-    cache = random_cache(layer, a.context, a.rows, seed=1)
-    x = layer_rows(cfg, a.rows, seed=2)
+    layer, cache, x = stand_in_cuda_layer(a.context, a.rows)
+    from mlx_qsa.bench import decode_layer_step, set_switch
 
     def mode(fused: bool) -> None:
         set_switch("MLX_QSA_FUSE_GATE", None if fused else "0")

@@ -231,7 +231,7 @@ def loaded_blas() -> list[str]:
             lines = f.read().splitlines()
     except OSError:
         return []
-    paths = {ln.split(maxsplit=5)[5] for ln in lines if len(ln.split(maxsplit=5)) == 6}
+    paths = {f[5] for ln in lines if len(f := ln.split(maxsplit=5)) == 6}  # f[5]: the path
     return sorted(p for p in paths if "blas" in os.path.basename(p).lower())
 
 

@@ -13,21 +13,13 @@ import mlx.core as mx
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: host_build
-    from host_build import stand_in_cuda
+    from host_build import stand_in_cuda_layer
 
-    stand_in_cuda()
+    layer, cache, x = stand_in_cuda_layer(131072, 1)
     import mlx_qsa.layer as layer_mod
-    from mlx_qsa.bench import decode_layer_step, layer_rows, random_cache
-    from mlx_qsa.config import QSAConfig, QSAOptions
+    from mlx_qsa.bench import decode_layer_step
 
-    layer_mod.resolve_impl = lambda kernels="auto": "portable" if kernels == "portable" else "cuda"
-    cfg = QSAConfig()
-    mx.random.seed(0)
-    layer = layer_mod.QSAAttention(cfg, options=QSAOptions(kernels="auto"), fused=4)
-    layer.set_dtype(mx.bfloat16)
-    mx.eval(layer.parameters())
-    cache = random_cache(layer, 131072, 1, seed=1)
-    step = decode_layer_step(layer, [layer_rows(cfg, 1, seed=2)], [cache], 1)
+    step = decode_layer_step(layer, [x], [cache], 1)
     for _ in range(20):
         mx.eval(step(0))
     acc: dict[str, float] = {}
