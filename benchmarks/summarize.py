@@ -32,11 +32,13 @@ def decode_table(doc: dict) -> str:
         ("torch_dense_sdpa_sync", "torch dense SDPA"),
         ("torch_dense_sdpa", "torch, queued"),
         ("qsa_cuda_layer", "CUDA layer"),
+        ("mlx_one_kernel_gpu", "MLX one-kernel step, GPU clock"),
     ]
     head = "| context | rows | " + " | ".join(c[1] for c in cols) + " | floor |"
     head += " torch ÷ CUDA | queued: torch ÷ CUDA | GPU clock: torch ÷ CUDA |"
+    head += " GPU clock: torch ÷ MLX one-kernel step |"
     head += " spin wait: torch ÷ CUDA | gather+SDPA ÷ CUDA | CUDA ÷ floor |"
-    lines = [head, "|" + "---|" * (len(cols) + 9)]
+    lines = [head, "|" + "---|" * (len(cols) + 10)]
     for p in doc["points"]:
         t = p["timings"]
         us = [f"{t[c]['median_us']:.0f}" if c in t else "–" for c, _ in cols]
@@ -48,6 +50,7 @@ def decode_table(doc: dict) -> str:
             + f" | {fl:.1f} | {_ratio(t, 'torch_dense_sdpa_sync', 'qsa_cuda')} | "
             + f"{_ratio(t, 'torch_dense_sdpa', 'qsa_cuda_async')} | "
             + f"{_ratio(t, 'torch_dense_sdpa', 'qsa_cuda_gpu')} | "
+            + f"{_ratio(t, 'torch_dense_sdpa', 'mlx_one_kernel_gpu')} | "
             + f"{_ratio(t, 'torch_dense_sdpa_sync', 'qsa_cuda_spin')} | "
             + f"{_ratio(t, 'mlx_gather_sdpa', 'qsa_cuda')} | {ours / fl:.0f} |"
         )

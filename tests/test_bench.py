@@ -60,6 +60,7 @@ def test_decode_document(tmp_path, turns) -> None:
     names = [f"qsa_{i}{m}" for i in (("cuda", "portable") if cuda else ("portable",))
              for m in modes[i]]  # fmt: skip
     names += ["mlx_gather_sdpa", "mlx_gather_sdpa_async", "mlx_dense_sdpa"]
+    names += ["mlx_one_kernel_gpu"] if cuda else []  # MLX's floor for a queued step
     names += [f"qsa_{i}_layer{m}" for i in (("cuda", "portable") if cuda else ("portable",))
               for m in ("", "_async")]  # fmt: skip
     for entries, rounds, warm, settle in turns:
@@ -115,6 +116,9 @@ def test_decode_document(tmp_path, turns) -> None:
             )
             assert p["ratios"]["torch_dense_sdpa/qsa_cuda_gpu"] == pytest.approx(
                 t["torch_dense_sdpa"]["median_us"] / t["qsa_cuda_gpu"]["median_us"]
+            )
+            assert p["ratios"]["torch_dense_sdpa/mlx_one_kernel_gpu"] == pytest.approx(
+                t["torch_dense_sdpa"]["median_us"] / t["mlx_one_kernel_gpu"]["median_us"]
             )
             assert p["ratios"]["torch_dense_sdpa_sync/qsa_cuda_spin"] == pytest.approx(
                 t["torch_dense_sdpa_sync"]["median_us"] / t["qsa_cuda_spin"]["median_us"]
@@ -383,6 +387,21 @@ def test_mlx_gpu_pass_spans_the_queued_steps_between_two_stamps() -> None:
     kinds = [(k, v if k == "step" else None) for k, v in order]
     assert kinds == [("step", 0), ("stamp", None), ("step", 1), ("step", 2), ("stamp", None)]
     assert order[-1][1] is outs[2]
+
+
+def test_one_kernel_pass_stamps_each_step_on_its_own_input() -> None:
+    # MLX's floor entry: each step is one stamp launch on its own (distinct) input; between
+    # the first stamp and the last, 3 steps took 3 * 6 µs of the stand-in timer, 6 µs a step
+    seen: list[int] = []
+
+    def stamp(after: mx.array) -> mx.array:
+        seen.append(int(after[0].item()))
+        return mx.array([1_000_000 + 6_000 * (len(seen) - 1)], dtype=mx.uint64)
+
+    per_step = bench.one_kernel_pass(3, stamp=stamp)()
+    # step 0, first stamp (on the anchor), steps 1 and 2, last stamp (on step 2's output)
+    assert per_step == pytest.approx(3 * 6.0 / 3)
+    assert seen[0] == 0 and seen[2:4] == [1, 2]
 
 
 def test_torch_pass_enters_its_context_once_a_pass_outside_the_timing(monkeypatch) -> None:

@@ -142,6 +142,20 @@ def mlx_gpu_pass(
     return one_pass
 
 
+def one_kernel_pass(
+    n_sets: int, stamp: Callable[[mx.array], mx.array] | None = None
+) -> Callable[[], float]:
+    """MLX's floor for a queued step, on the GPU's clock as `mlx_gpu_pass` times ours: a step of
+    one trivial `cuda_kernel` launch (the timer stamp, one thread's store) on its own input. No
+    MLX step that launches a kernel is issued faster on this host, so torch's events ÷ this
+    entry bound the ratio any MLX decode step can reach against torch in the same run."""
+    if stamp is None:
+        from .kernels.stamp import gpu_stamp as stamp
+    inputs = [mx.full((1,), i, mx.uint32) for i in range(n_sets)]
+    mx.eval(inputs)
+    return mlx_gpu_pass(lambda i: stamp(inputs[i]), n_sets, stamp=stamp)
+
+
 def set_switch(name: str, value: str | None) -> None:
     """Set (None: unset) an ``MLX_QSA_*`` switch for the steps that follow (its cached read is
     cleared), for A/B timing of two forms in one process."""
@@ -666,6 +680,8 @@ def bench_decode_point(
     passes["mlx_gather_sdpa"] = mlx_pass(gather_step, n)
     passes["mlx_gather_sdpa_async"] = mlx_pass(gather_step, n, sync_each=False)
     passes["mlx_dense_sdpa"] = mlx_pass(lambda i: mlx_dense_sdpa(sets[i], scale), n)
+    if "cuda" in impls:
+        passes["mlx_one_kernel_gpu"] = one_kernel_pass(n)
     consumers: dict[str, list[str]] = {}  # each layer's, from its counted step
     if layers:
         caches = [random_cache(next(iter(layers.values())), T, rows, seed=i) for i in range(n)]
@@ -728,6 +744,10 @@ def ratios(rec: dict[str, Any]) -> dict[str, float]:
     gpu = f"{ours}_gpu"  # queued on the GPU's clock: torch's events against our stamps
     if gpu in t and "torch_dense_sdpa" in t:
         out[f"torch_dense_sdpa/{gpu}"] = t["torch_dense_sdpa"]["median_us"] / t[gpu]["median_us"]
+    if "mlx_one_kernel_gpu" in t and "torch_dense_sdpa" in t:  # the most any MLX step reaches
+        out["torch_dense_sdpa/mlx_one_kernel_gpu"] = (
+            t["torch_dense_sdpa"]["median_us"] / t["mlx_one_kernel_gpu"]["median_us"]
+        )
     spin = f"{ours}_spin"  # a step at a time, both sides ending in their synchronize
     if spin in t and "torch_dense_sdpa_sync" in t:
         out[f"torch_dense_sdpa_sync/{spin}"] = (
