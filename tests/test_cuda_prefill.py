@@ -13,8 +13,10 @@ from test_cuda_decode import bf16, make_selector_inputs, needs_cuda, ref_adj, re
 
 from mlx_qsa.consumers.prefill import prefill_flash
 from mlx_qsa.kernels.prefill_flash import (
+    PARTS,
     RT,
     prefill_flash_cuda,
+    prefill_flash_part_cuda,
     prefill_flash_unsupported,
     shared_applies,
     shared_unsupported,
@@ -234,6 +236,36 @@ def test_prefill_flash_argument_errors():
     if not mx.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             prefill_flash_cuda(q, kv, kv, ids, valid, pos, scale=1 / 16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("part", PARTS)
+def test_prefill_flash_halves_write_zeros(part):
+    """The benchmarks' halves of the kernel (loads alone; math alone over zeroed stages) run
+    at the real geometry over unlisted NaN tokens and write an all-zero output."""
+    rng = np.random.default_rng(67)
+    positions = np.arange(40000, 40130)
+    (q, keys, values, ids, valid), _ = _flash_inputs(rng, 24, 2, 256, 512, 4, positions)
+    pos = mx.array(positions.astype(np.int32))
+    out = prefill_flash_part_cuda(q, keys, values, ids, valid, pos, part=part)
+    assert out.shape == q.shape and out.dtype == mx.bfloat16
+    assert (to_np(out) == 0).all()
+
+
+def test_prefill_flash_part_argument_errors():
+    q = bf16(np.zeros((1, 24, 3, 256)))
+    kv = bf16(np.zeros((1, 2, 256, 256)))
+    ids, valid = mx.zeros((3, 512), mx.int32), mx.zeros((3, 512), mx.bool_)
+    pos = mx.array([5, 6, 7], dtype=mx.int32)
+    with pytest.raises(ValueError, match="part must be one of"):
+        prefill_flash_part_cuda(q, kv, kv, ids, valid, pos, part="both")
+    with pytest.raises(ValueError, match="ids must have 3 rows"):
+        prefill_flash_part_cuda(q, kv, kv, ids[:2], valid[:2], pos, part="stream")
+    with pytest.raises(ValueError, match="positions must be int32"):
+        prefill_flash_part_cuda(q, kv, kv, ids, valid, pos[:2], part="math")
+    if not mx.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            prefill_flash_part_cuda(q, kv, kv, ids, valid, pos, part="stream")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,9 @@
 // from ldmatrix.trans (Q and K fragments from ldmatrix too; O is rescaled only when a row's
 // running max moved). The four warps' (m, l, O) are merged in a fixed order at the end.
 // QSA_TILE_SKIP (with counts and LIMIT): rows of shared tiles are left to the tile kernel.
+// QSA_PART_STREAM / QSA_PART_MATH (benchmarks only, `prefill_flash_part_cuda`): the K/V loads
+// without the math, or the math over zeroed stages without the loads; both write zeros. Their
+// times bound what the per-row kernel can gain from faster math or faster loads.
 // Template: D, G, HKV, K, RATIO, SCALE_BITS (+ LIMIT). 128 threads; dynamic shared memory:
 // 3 stages x (K, V) x 64 x (D + 8) bf16, q 16 x (D + 8) bf16, token list K * RATIO + RATIO int.
 constexpr int NT = 128, STEP = 64, VS = D + 8, NTILE = D / 8, NSTAGE = 3;
@@ -82,6 +85,13 @@ const int dc = tid % CPT, t_first = tid / CPT;
 const __nv_bfloat16* kcol = kg + dc * 8;
 const __nv_bfloat16* vcol = vg + dc * 8;
 const unsigned dst0 = (unsigned)__cvta_generic_to_shared(kv_s + t_first * VS + dc * 8);
+#ifdef QSA_PART_MATH
+// no loads: the stages are zeroed once (zero K and V give weights 1 and an output of 0)
+for (int i = tid; i < NSTAGE * 2 * STEP * VS / 8; i += NT)
+  reinterpret_cast<uint4*>(kv_s)[i] = make_uint4(0u, 0u, 0u, 0u);
+__syncthreads();
+auto load_stage = [&](int, int) {};
+#else
 auto load_stage = [&](int st, int t0) {
   const unsigned dk0 = dst0 + st * 2 * STEP * VS * 2, dv0 = dk0 + STEP * VS * 2;
 #pragma unroll
@@ -96,6 +106,7 @@ auto load_stage = [&](int st, int t0) {
                  "l"(vcol + tok * values_strides[2]), "r"(nbytes));
   }
 };
+#endif
 // one commit group per stage slot, empty past the list, so the wait count is uniform
 auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
 
@@ -124,7 +135,11 @@ for (int s = 0; s < n_steps; ++s) {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(NSTAGE - 1));  // stage s has landed
   __syncthreads();
   const int tb = s * STEP + 16 * warp;  // the warp's first token of this stage
-  if (tb < n_tok) {                      // warp-uniform
+#ifdef QSA_PART_STREAM
+  if (false) {  // the loads alone: no math (every row ends empty, its output 0)
+#else
+  if (tb < n_tok) {  // warp-uniform
+#endif
     const __nv_bfloat16* ks = kv_s + (s % NSTAGE) * 2 * STEP * VS + 16 * warp * VS;
     const __nv_bfloat16* vs = ks + STEP * VS;
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};

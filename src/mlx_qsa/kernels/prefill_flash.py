@@ -200,10 +200,7 @@ def prefill_flash_cuda(
     fn = "prefill_flash_cuda"
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
     _launch.check_row_lists(fn, rows, ("ids", "valid"), ids, valid, "[S, K]")
-    if positions.shape != (rows,) or positions.dtype != mx.int32:
-        raise ValueError(
-            f"{fn}: positions must be int32 [{rows}], got {list(positions.shape)} {positions.dtype}"
-        )
+    _check_positions(fn, positions, rows)
     _launch.require_cuda(fn)
     k = ids.shape[1]
     why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio, k)
@@ -215,14 +212,7 @@ def prefill_flash_cuda(
         shared = shared_env() and shared_applies(rows, n_kv, device.sm_count())
     if shared and shared_unsupported(n_heads, n_kv, d, k) is not None:
         shared = False
-    template = (
-        ("D", d),
-        ("G", n_heads // n_kv),
-        ("HKV", n_kv),
-        ("K", k),
-        ("RATIO", ratio),
-        ("SCALE_BITS", _launch.float_bits(scale)),
-    )
+    template = _attend_template(n_heads, n_kv, d, k, ratio, scale)
     names = ("q", "keys", "values", "ids", "valid", "pos")
     inputs = [q, keys, values, ids, valid, positions]
     if shared:
@@ -253,3 +243,69 @@ def prefill_flash_cuda(
     return sdpa.sdpa_listed_cuda(
         q, keys, values, positions, lists, counts, out, scale=scale, limit=limit, ratio=ratio
     )
+
+
+def _check_positions(fn: str, positions: mx.array, rows: int) -> None:
+    if positions.shape != (rows,) or positions.dtype != mx.int32:
+        raise ValueError(
+            f"{fn}: positions must be int32 [{rows}], got {list(positions.shape)} {positions.dtype}"
+        )
+
+
+def _attend_template(n_heads: int, n_kv: int, d: int, k: int, ratio: int, scale: float) -> tuple:
+    return (
+        ("D", d),
+        ("G", n_heads // n_kv),
+        ("HKV", n_kv),
+        ("K", k),
+        ("RATIO", ratio),
+        ("SCALE_BITS", _launch.float_bits(scale)),
+    )
+
+
+PARTS = ("stream", "math")
+
+
+def prefill_flash_part_cuda(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    ids: mx.array,
+    valid: mx.array,
+    positions: mx.array,
+    *,
+    part: str,
+    ratio: int = 4,
+) -> mx.array:
+    """Half of the per-row kernel's work, for the benchmarks (zeros `[1, H, S, d]`): `stream`
+    issues its K/V loads without the math, `math` its tensor-core work and softmax over zeroed
+    stages without the loads. The full kernel costs at least the larger of the two, so each
+    bounds what speeding up the other can gain (PERFORMANCE.md §3: 8.6 GB of K/V a chunk)."""
+    fn = "prefill_flash_part_cuda"
+    if part not in PARTS:
+        raise ValueError(f"{fn}: part must be one of {PARTS}, got {part!r}")
+    n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
+    _launch.check_row_lists(fn, rows, ("ids", "valid"), ids, valid, "[S, K]")
+    _check_positions(fn, positions, rows)
+    _launch.require_cuda(fn)
+    k = ids.shape[1]
+    why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio, k)
+    if why is not None:
+        raise NotImplementedError(f"{fn}: {why}")
+    kernel = _launch.build(
+        "prefill_flash.cu",
+        "attend",
+        ("q", "keys", "values", "ids", "valid", "pos"),
+        ("out",),
+        ("part", part),
+        shared_memory=smem_bytes(d, k, ratio),
+        prefix=f"#define QSA_PART_{part.upper()}\n",
+        template=_attend_template(n_heads, n_kv, d, k, ratio, 1.0),
+    )
+    return kernel(
+        inputs=[q, keys, values, ids, valid, positions],
+        grid=(rows * n_kv * _NT, 1, 1),
+        threadgroup=(_NT, 1, 1),
+        output_shapes=[(1, n_heads, rows, d)],
+        output_dtypes=[q.dtype],
+    )[0]
