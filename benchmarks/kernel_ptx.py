@@ -157,7 +157,7 @@ JOBS = {
         [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4),
          ("SCALE_BITS", 1031798784)], "",
     ),
-    "prefill_flash_stream": (  # the loads alone (prefill_flash_part_cuda)
+    "prefill_flash_stream": (  # the loads alone (prefill_flash_form_cuda)
         "prefill_flash.cu", "attend",
         [("q", BF), ("keys", BF), ("values", BF), ("ids", "int32_t"), ("valid", "bool"),
          ("pos", "int32_t")], [("out", BF)],
@@ -170,6 +170,13 @@ JOBS = {
          ("pos", "int32_t")], [("out", BF)],
         [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4),
          ("SCALE_BITS", 1065353216)], "#define QSA_PART_MATH\n",
+    ),
+    "prefill_flash_ascending": (  # blocks in ascending order (prefill_flash_form_cuda)
+        "prefill_flash.cu", "attend",
+        [("q", BF), ("keys", BF), ("values", BF), ("ids", "int32_t"), ("valid", "bool"),
+         ("pos", "int32_t")], [("out", BF)],
+        [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4),
+         ("SCALE_BITS", 1031798784)], "#define QSA_ASCENDING\n",
     ),
     "prefill_flash_skip": (
         "prefill_flash.cu", "attend",

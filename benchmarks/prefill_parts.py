@@ -5,8 +5,8 @@
 For each prefix it times, on the same rotated inputs (`bench.DecodeSet`, real geometry):
 the `mpp` score producer alone over the chunk's RUNTIME §6.3 pieces, the top-k kernel alone on
 planes made beforehand, the whole selection (`select_prefill_cuda`) and `prefill_flash` alone;
-then, in turns on the GPU clock, `prefill_flash` against its two halves
-(`prefill_flash_part_cuda`: its K/V loads without the math, its math without the loads).
+then, in turns on the GPU clock, `prefill_flash` against its forms (`prefill_flash_form_cuda`:
+its K/V loads without the math, its math without the loads, the blocks in ascending order).
 It also counts the bytes `prefill_flash` must read (each row's selected K/V tokens, every KV
 head) against the copy bandwidth measured in the same run, and how much adjacent rows'
 selections overlap (the union of a tile of consecutive rows against the sum of its rows).
@@ -24,7 +24,11 @@ import numpy as np
 
 from mlx_qsa import bench, plan
 from mlx_qsa.config import QSAConfig
-from mlx_qsa.kernels.prefill_flash import prefill_flash_cuda, prefill_flash_part_cuda
+from mlx_qsa.kernels.prefill_flash import (
+    FORMS,
+    prefill_flash_cuda,
+    prefill_flash_form_cuda,
+)
 from mlx_qsa.kernels.prefill_score import _TB, prefill_scores_cuda, select_prefill_cuda
 from mlx_qsa.kernels.selector import top_k_from_plane
 from mlx_qsa.sweep import backend_name, environment
@@ -88,27 +92,22 @@ def measure(cfg: QSAConfig, T0: int, S: int, a: argparse.Namespace, bw: float) -
         "prefill_flash": bench.time_mlx(attend, n, w, k),
     }
 
-    def half(name):
+    def form(name):
         def run(i):
             s, (ids, valid, _) = sets[i], sels[i]
-            return prefill_flash_part_cuda(
-                s.q, s.keys, s.values, ids, valid, s.positions, part=name, ratio=r
-            )
+            return prefill_flash_form_cuda(
+                s.q, s.keys, s.values, ids, valid, s.positions, form=name, scale=cfg.scale,
+                ratio=r,
+            )  # fmt: skip
 
         return run
 
-    # The kernel and its two halves (loads alone, math alone) on the GPU clock, in turns: the
-    # kernel costs at least the larger half, which bounds what speeding up the other can gain.
-    halves = bench.time_in_turns(
-        {
-            "prefill_flash_gpu": bench.mlx_gpu_pass(attend, n),
-            "stream_gpu": bench.mlx_gpu_pass(half("stream"), n),
-            "math_gpu": bench.mlx_gpu_pass(half("math"), n),
-        },
-        w,
-        k,
-    )
-    t.update(halves)
+    # The kernel and its forms on the GPU clock, in turns: its halves (loads alone, math alone;
+    # it costs at least the larger, which bounds what speeding up the other can gain), and the
+    # blocks in ascending order (CTAs running at once then sweep the context together).
+    forms = {"prefill_flash_gpu": bench.mlx_gpu_pass(attend, n)}
+    forms |= {f"{name}_gpu": bench.mlx_gpu_pass(form(name), n) for name in FORMS}
+    t.update(bench.time_in_turns(forms, w, k))
     ids, valid = (np.array(x) for x in sels[0][:2])
     tokens = int(valid.sum()) * r + sum((p + 1) % r for p in range(T - S, T))
     kv_bytes = tokens * cfg.num_key_value_heads * cfg.head_dim * 2 * 2

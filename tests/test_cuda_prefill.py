@@ -13,10 +13,10 @@ from test_cuda_decode import bf16, make_selector_inputs, needs_cuda, ref_adj, re
 
 from mlx_qsa.consumers.prefill import prefill_flash
 from mlx_qsa.kernels.prefill_flash import (
-    PARTS,
+    FORMS,
     RT,
     prefill_flash_cuda,
-    prefill_flash_part_cuda,
+    prefill_flash_form_cuda,
     prefill_flash_unsupported,
     shared_applies,
     shared_unsupported,
@@ -239,33 +239,53 @@ def test_prefill_flash_argument_errors():
 
 
 @needs_cuda
-@pytest.mark.parametrize("part", PARTS)
-def test_prefill_flash_halves_write_zeros(part):
+@pytest.mark.parametrize("form", [f for f in FORMS if f != "ascending"])
+def test_prefill_flash_halves_write_zeros(form):
     """The benchmarks' halves of the kernel (loads alone; math alone over zeroed stages) run
     at the real geometry over unlisted NaN tokens and write an all-zero output."""
     rng = np.random.default_rng(67)
     positions = np.arange(40000, 40130)
     (q, keys, values, ids, valid), _ = _flash_inputs(rng, 24, 2, 256, 512, 4, positions)
     pos = mx.array(positions.astype(np.int32))
-    out = prefill_flash_part_cuda(q, keys, values, ids, valid, pos, part=part)
+    out = prefill_flash_form_cuda(q, keys, values, ids, valid, pos, form=form)
     assert out.shape == q.shape and out.dtype == mx.bfloat16
     assert (to_np(out) == 0).all()
 
 
-def test_prefill_flash_part_argument_errors():
+@needs_cuda
+@pytest.mark.parametrize("positions", [np.arange(0, 90), np.arange(2030, 2101),
+                                       np.arange(40000, 40130)])  # fmt: skip
+def test_prefill_flash_ascending_order_matches_float64_and_the_kernel(positions):
+    """Blocks in ascending order: the same tokens as selection order, so the output agrees with
+    float64 and with the default kernel to rounding (not bit for bit: another summation order)."""
+    rng = np.random.default_rng([71, int(positions[0])])
+    (q, keys, values, ids, valid), tokens = _flash_inputs(rng, 24, 2, 256, 512, 4, positions)
+    pos = mx.array(positions.astype(np.int32))
+    scale = 1 / 16
+    out = prefill_flash_form_cuda(q, keys, values, ids, valid, pos, form="ascending", scale=scale)
+    got = to_np(out)[0]
+    ref = _ref_rows(q, keys, values, tokens, scale, 12)
+    assert np.isfinite(got).all()
+    for r in range(len(positions)):
+        assert _rel(got[:, r], ref[:, r]) <= 1e-2, f"row {r} (position {positions[r]})"
+    default = to_np(prefill_flash_cuda(q, keys, values, ids, valid, pos, scale=scale))[0]
+    assert _rel(got, default) <= 1e-2
+
+
+def test_prefill_flash_form_argument_errors():
     q = bf16(np.zeros((1, 24, 3, 256)))
     kv = bf16(np.zeros((1, 2, 256, 256)))
     ids, valid = mx.zeros((3, 512), mx.int32), mx.zeros((3, 512), mx.bool_)
     pos = mx.array([5, 6, 7], dtype=mx.int32)
-    with pytest.raises(ValueError, match="part must be one of"):
-        prefill_flash_part_cuda(q, kv, kv, ids, valid, pos, part="both")
+    with pytest.raises(ValueError, match="form must be one of"):
+        prefill_flash_form_cuda(q, kv, kv, ids, valid, pos, form="both")
     with pytest.raises(ValueError, match="ids must have 3 rows"):
-        prefill_flash_part_cuda(q, kv, kv, ids[:2], valid[:2], pos, part="stream")
+        prefill_flash_form_cuda(q, kv, kv, ids[:2], valid[:2], pos, form="stream")
     with pytest.raises(ValueError, match="positions must be int32"):
-        prefill_flash_part_cuda(q, kv, kv, ids, valid, pos[:2], part="math")
+        prefill_flash_form_cuda(q, kv, kv, ids, valid, pos[:2], form="math")
     if not mx.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
-            prefill_flash_part_cuda(q, kv, kv, ids, valid, pos, part="stream")
+            prefill_flash_form_cuda(q, kv, kv, ids, valid, pos, form="ascending")
 
 
 # ---------------------------------------------------------------------------------------------

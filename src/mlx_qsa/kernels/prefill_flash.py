@@ -263,10 +263,16 @@ def _attend_template(n_heads: int, n_kv: int, d: int, k: int, ratio: int, scale:
     )
 
 
-PARTS = ("stream", "math")
+# The benchmarks' forms of the per-row kernel (`prefill_flash_form_cuda`): its defines.
+FORMS = {
+    "stream": "#define QSA_PART_STREAM\n",
+    "math": "#define QSA_PART_MATH\n",
+    "ascending": "#define QSA_ASCENDING\n",
+    "ascending_stream": "#define QSA_ASCENDING\n#define QSA_PART_STREAM\n",
+}
 
 
-def prefill_flash_part_cuda(
+def prefill_flash_form_cuda(
     q: mx.array,
     keys: mx.array,
     values: mx.array,
@@ -274,16 +280,20 @@ def prefill_flash_part_cuda(
     valid: mx.array,
     positions: mx.array,
     *,
-    part: str,
+    form: str,
+    scale: float = 1.0,
     ratio: int = 4,
 ) -> mx.array:
-    """Half of the per-row kernel's work, for the benchmarks (zeros `[1, H, S, d]`): `stream`
-    issues its K/V loads without the math, `math` its tensor-core work and softmax over zeroed
-    stages without the loads. The full kernel costs at least the larger of the two, so each
-    bounds what speeding up the other can gain (PERFORMANCE.md §3: 8.6 GB of K/V a chunk)."""
-    fn = "prefill_flash_part_cuda"
-    if part not in PARTS:
-        raise ValueError(f"{fn}: part must be one of {PARTS}, got {part!r}")
+    """The per-row kernel in one of the benchmarks' `FORMS`. `stream` issues its K/V loads
+    without the math and `math` its tensor-core work and softmax over zeroed stages without
+    the loads (both write zeros): the kernel costs at least the larger of the two, so each
+    bounds what speeding up the other can gain (PERFORMANCE.md §3: 8.6 GB of K/V a chunk).
+    `ascending` attends each row's blocks in ascending order instead of selection order (the
+    same tokens, so the output within rounding of the kernel's), which may let the CTAs that
+    run at once share K/V in L2; `ascending_stream` is its loads alone."""
+    fn = "prefill_flash_form_cuda"
+    if form not in FORMS:
+        raise ValueError(f"{fn}: form must be one of {tuple(FORMS)}, got {form!r}")
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
     _launch.check_row_lists(fn, rows, ("ids", "valid"), ids, valid, "[S, K]")
     _check_positions(fn, positions, rows)
@@ -292,15 +302,17 @@ def prefill_flash_part_cuda(
     why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio, k)
     if why is not None:
         raise NotImplementedError(f"{fn}: {why}")
+    if not scale > 0:
+        raise ValueError(f"{fn}: scale must be a positive float, got {scale}")
     kernel = _launch.build(
         "prefill_flash.cu",
         "attend",
         ("q", "keys", "values", "ids", "valid", "pos"),
         ("out",),
-        ("part", part),
+        ("form", form),
         shared_memory=smem_bytes(d, k, ratio),
-        prefix=f"#define QSA_PART_{part.upper()}\n",
-        template=_attend_template(n_heads, n_kv, d, k, ratio, 1.0),
+        prefix=FORMS[form],
+        template=_attend_template(n_heads, n_kv, d, k, ratio, scale),
     )
     return kernel(
         inputs=[q, keys, values, ids, valid, positions],
