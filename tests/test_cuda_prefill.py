@@ -216,11 +216,16 @@ def test_prefill_flash_reads_a_transposed_q_in_place():
     assert mx.array_equal(a, b).item()
 
 
-def test_prefill_flash_argument_errors():
+def _three_rows():
+    """Arguments of three rows at the real geometry, for the argument checks."""
     q = bf16(np.zeros((1, 24, 3, 256)))
     kv = bf16(np.zeros((1, 2, 256, 256)))
     ids, valid = mx.zeros((3, 512), mx.int32), mx.zeros((3, 512), mx.bool_)
-    pos = mx.array([5, 6, 7], dtype=mx.int32)
+    return q, kv, ids, valid, mx.array([5, 6, 7], dtype=mx.int32)
+
+
+def test_prefill_flash_argument_errors():
+    q, kv, ids, valid, pos = _three_rows()
     with pytest.raises(ValueError, match="ids must have 3 rows"):
         prefill_flash_cuda(q, kv, kv, ids[:2], valid[:2], pos, scale=1 / 16)
     with pytest.raises(ValueError, match="valid must have shape"):
@@ -273,10 +278,7 @@ def test_prefill_flash_ascending_order_matches_float64_and_the_kernel(positions)
 
 
 def test_prefill_flash_form_argument_errors():
-    q = bf16(np.zeros((1, 24, 3, 256)))
-    kv = bf16(np.zeros((1, 2, 256, 256)))
-    ids, valid = mx.zeros((3, 512), mx.int32), mx.zeros((3, 512), mx.bool_)
-    pos = mx.array([5, 6, 7], dtype=mx.int32)
+    q, kv, ids, valid, pos = _three_rows()
     with pytest.raises(ValueError, match="form must be one of"):
         prefill_flash_form_cuda(q, kv, kv, ids, valid, pos, form="both")
     with pytest.raises(ValueError, match="ids must have 3 rows"):

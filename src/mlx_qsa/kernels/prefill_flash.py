@@ -197,48 +197,19 @@ def prefill_flash_cuda(
     `shared`: attend the 8-row tiles whose union of blocks is small over shared tiles, the
     others per row (None: ``shared_env()`` where `shared_applies`; where the shapes do not
     allow it, per row)."""
-    fn = "prefill_flash_cuda"
-    n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
-    _launch.check_row_lists(fn, rows, ("ids", "valid"), ids, valid, "[S, K]")
-    _check_positions(fn, positions, rows)
-    _launch.require_cuda(fn)
-    k = ids.shape[1]
-    why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio, k)
-    if why is not None:
-        raise NotImplementedError(f"{fn}: {why}")
-    if not scale > 0:
-        raise ValueError(f"{fn}: scale must be a positive float, got {scale}")
+    args = (q, keys, values, ids, valid, positions)
+    n_heads, rows, n_kv, d, k = _check_attend("prefill_flash_cuda", *args, scale, ratio)
     if shared is None:
         shared = shared_env() and shared_applies(rows, n_kv, device.sm_count())
     if shared and shared_unsupported(n_heads, n_kv, d, k) is not None:
         shared = False
-    template = _attend_template(n_heads, n_kv, d, k, ratio, scale)
-    names = ("q", "keys", "values", "ids", "valid", "pos")
-    inputs = [q, keys, values, ids, valid, positions]
-    if shared:
-        limit = tile_limit(k)
-        lists, counts = tile_union_cuda(ids, valid, positions, keys, ratio=ratio)
-        names, inputs = names + ("counts",), inputs + [counts]
-        template += (("LIMIT", limit),)
-    kernel = _launch.build(
-        "prefill_flash.cu",
-        "attend",
-        names,
-        ("out",),
-        ("skip",) if shared else (),
-        shared_memory=smem_bytes(d, k, ratio),
-        prefix="#define QSA_TILE_SKIP\n" if shared else "",
-        template=template,
-    )
-    out = kernel(
-        inputs=inputs,
-        grid=(rows * n_kv * _NT, 1, 1),
-        threadgroup=(_NT, 1, 1),
-        output_shapes=[(1, n_heads, rows, d)],
-        output_dtypes=[q.dtype],
-    )[0]
     if not shared:
-        return out
+        return _attend(args, scale, ratio)
+    limit = tile_limit(k)
+    lists, counts = tile_union_cuda(ids, valid, positions, keys, ratio=ratio)
+    out = _attend(
+        args + (counts,), scale, ratio, ("skip",), "#define QSA_TILE_SKIP\n", (("LIMIT", limit),)
+    )
     # the shared tiles, and the other tiles' rows copied from the per-row kernel's output
     return sdpa.sdpa_listed_cuda(
         q, keys, values, positions, lists, counts, out, scale=scale, limit=limit, ratio=ratio
@@ -252,15 +223,57 @@ def _check_positions(fn: str, positions: mx.array, rows: int) -> None:
         )
 
 
-def _attend_template(n_heads: int, n_kv: int, d: int, k: int, ratio: int, scale: float) -> tuple:
-    return (
+def _check_attend(fn: str, q, keys, values, ids, valid, positions, scale: float, ratio: int):
+    """The per-row kernel's argument checks, in its launchers' order; (H, S, Hkv, d, K)."""
+    n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
+    _launch.check_row_lists(fn, rows, ("ids", "valid"), ids, valid, "[S, K]")
+    _check_positions(fn, positions, rows)
+    _launch.require_cuda(fn)
+    k = ids.shape[1]
+    why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio, k)
+    if why is not None:
+        raise NotImplementedError(f"{fn}: {why}")
+    if not scale > 0:
+        raise ValueError(f"{fn}: scale must be a positive float, got {scale}")
+    return n_heads, rows, n_kv, d, k
+
+
+_ATTEND_INPUTS = ("q", "keys", "values", "ids", "valid", "pos", "counts")
+
+
+def _attend(
+    inputs: tuple, scale: float, ratio: int, key: tuple = (), prefix: str = "", extra: tuple = ()
+) -> mx.array:
+    """One launch of the per-row kernel (`attend`) over checked `inputs` (q, keys, values, ids,
+    valid, positions[, counts]); `prefix` defines its form, `extra` adds template values."""
+    q, _, _, ids = inputs[:4]
+    _, n_heads, rows, d = q.shape
+    n_kv, k = inputs[1].shape[1], ids.shape[1]
+    template = (
         ("D", d),
         ("G", n_heads // n_kv),
         ("HKV", n_kv),
         ("K", k),
         ("RATIO", ratio),
         ("SCALE_BITS", _launch.float_bits(scale)),
+    ) + extra
+    kernel = _launch.build(
+        "prefill_flash.cu",
+        "attend",
+        _ATTEND_INPUTS[: len(inputs)],
+        ("out",),
+        key,
+        shared_memory=smem_bytes(d, k, ratio),
+        prefix=prefix,
+        template=template,
     )
+    return kernel(
+        inputs=list(inputs),
+        grid=(rows * n_kv * _NT, 1, 1),
+        threadgroup=(_NT, 1, 1),
+        output_shapes=[(1, n_heads, rows, d)],
+        output_dtypes=[q.dtype],
+    )[0]
 
 
 # The benchmarks' forms of the per-row kernel (`prefill_flash_form_cuda`): its defines.
@@ -294,30 +307,6 @@ def prefill_flash_form_cuda(
     fn = "prefill_flash_form_cuda"
     if form not in FORMS:
         raise ValueError(f"{fn}: form must be one of {tuple(FORMS)}, got {form!r}")
-    n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
-    _launch.check_row_lists(fn, rows, ("ids", "valid"), ids, valid, "[S, K]")
-    _check_positions(fn, positions, rows)
-    _launch.require_cuda(fn)
-    k = ids.shape[1]
-    why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio, k)
-    if why is not None:
-        raise NotImplementedError(f"{fn}: {why}")
-    if not scale > 0:
-        raise ValueError(f"{fn}: scale must be a positive float, got {scale}")
-    kernel = _launch.build(
-        "prefill_flash.cu",
-        "attend",
-        ("q", "keys", "values", "ids", "valid", "pos"),
-        ("out",),
-        ("form", form),
-        shared_memory=smem_bytes(d, k, ratio),
-        prefix=FORMS[form],
-        template=_attend_template(n_heads, n_kv, d, k, ratio, scale),
-    )
-    return kernel(
-        inputs=[q, keys, values, ids, valid, positions],
-        grid=(rows * n_kv * _NT, 1, 1),
-        threadgroup=(_NT, 1, 1),
-        output_shapes=[(1, n_heads, rows, d)],
-        output_dtypes=[q.dtype],
-    )[0]
+    args = (q, keys, values, ids, valid, positions)
+    _check_attend(fn, *args, scale, ratio)
+    return _attend(args, scale, ratio, ("form", form), FORMS[form])
