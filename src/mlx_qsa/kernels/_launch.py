@@ -440,6 +440,14 @@ def check_row_lists(fn: str, rows: int, names: tuple[str, str], lists, mask, wha
     check_dtype(fn, mn, mask, (mx.bool_,))
 
 
+def check_positions(fn: str, positions, rows: int) -> None:
+    """The rows' positions: int32 ``[S]``."""
+    if positions.shape != (rows,) or positions.dtype != mx.int32:
+        raise ValueError(
+            f"{fn}: positions must be int32 [{rows}], got {list(positions.shape)} {positions.dtype}"
+        )
+
+
 def check_gate(fn: str, gate, q) -> None:
     """The output gate's logits for a fused gate: ``[1, S, H, d]`` in q's dtype (q is
     ``[1, H, S, d]``); any strides (the layer's gate is a view of q_proj's output)."""

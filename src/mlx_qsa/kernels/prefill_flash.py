@@ -216,18 +216,11 @@ def prefill_flash_cuda(
     )
 
 
-def _check_positions(fn: str, positions: mx.array, rows: int) -> None:
-    if positions.shape != (rows,) or positions.dtype != mx.int32:
-        raise ValueError(
-            f"{fn}: positions must be int32 [{rows}], got {list(positions.shape)} {positions.dtype}"
-        )
-
-
 def _check_attend(fn: str, q, keys, values, ids, valid, positions, scale: float, ratio: int):
     """The per-row kernel's argument checks, in its launchers' order; (H, S, Hkv, d, K)."""
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
     _launch.check_row_lists(fn, rows, ("ids", "valid"), ids, valid, "[S, K]")
-    _check_positions(fn, positions, rows)
+    _launch.check_positions(fn, positions, rows)
     _launch.require_cuda(fn)
     k = ids.shape[1]
     why = prefill_flash_unsupported(q.dtype, n_heads, n_kv, d, ratio, k)

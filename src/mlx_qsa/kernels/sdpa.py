@@ -134,10 +134,7 @@ def sdpa_cuda(
     n_heads, rows, n_kv, d = _launch.check_attention(fn, q, keys, values)
     if rows < 1:
         raise ValueError(f"{fn}: q must hold at least one query row, got {list(q.shape)}")
-    if positions.shape != (rows,) or positions.dtype != mx.int32:
-        raise ValueError(
-            f"{fn}: positions must be int32 [{rows}], got {list(positions.shape)} {positions.dtype}"
-        )
+    _launch.check_positions(fn, positions, rows)
     if mask is not None:
         _launch.check_dtype(fn, "mask", mask, (mx.bool_,))
         if mask.ndim != 4 or mask.shape[:3] != (1, 1, rows) or mask.shape[3] > keys.shape[2]:
