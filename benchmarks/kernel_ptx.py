@@ -26,6 +26,7 @@ import sys
 import tempfile
 
 from mlx_qsa.kernels._launch import _CUDA_TYPES, constants, header_for, kernel_sections
+from mlx_qsa.kernels.prefill_flash import FORMS
 from mlx_qsa.kernels.sdpa import TILING, TILINGS
 
 SDPA_T = (("STEP", TILING.step), ("NSTAGE", TILING.nstage))
@@ -52,6 +53,9 @@ _PTXAS_USE = r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem
 ROWS_IN = [("q", BF), ("keys", BF), ("values", BF), ("slots", "int32_t"), ("slot_valid", "bool"),
            ("ctr", "int32_t")]  # fmt: skip
 FUSED_OUT = [("part_o", "float"), ("part_ml", "float"), ("out", BF)]
+PF_IN = [("q", BF), ("keys", BF), ("values", BF), ("ids", "int32_t"), ("valid", "bool"),
+         ("pos", "int32_t")]  # fmt: skip
+PF_T = [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4), ("SCALE_BITS", 1031798784)]
 JOBS = {
     "score": ("selector.cu", "score", SEL_IN, SEL_OUT, SEL_T + [("NT", 128)], ""),
     "topk": (
@@ -150,41 +154,14 @@ JOBS = {
         "exact_div.cu", "check", [("lo", "uint32_t")], [("bad", "uint32_t"), ("first", "uint32_t")],
         [("PER", 64)], "",
     ),
-    "prefill_flash": (
-        "prefill_flash.cu", "attend",
-        [("q", BF), ("keys", BF), ("values", BF), ("ids", "int32_t"), ("valid", "bool"),
-         ("pos", "int32_t")], [("out", BF)],
-        [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4),
-         ("SCALE_BITS", 1031798784)], "",
-    ),
-    "prefill_flash_stream": (  # the loads alone (prefill_flash_form_cuda)
-        "prefill_flash.cu", "attend",
-        [("q", BF), ("keys", BF), ("values", BF), ("ids", "int32_t"), ("valid", "bool"),
-         ("pos", "int32_t")], [("out", BF)],
-        [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4),
-         ("SCALE_BITS", 1065353216)], "#define QSA_PART_STREAM\n",
-    ),
-    "prefill_flash_math": (  # the math alone, over zeroed stages
-        "prefill_flash.cu", "attend",
-        [("q", BF), ("keys", BF), ("values", BF), ("ids", "int32_t"), ("valid", "bool"),
-         ("pos", "int32_t")], [("out", BF)],
-        [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4),
-         ("SCALE_BITS", 1065353216)], "#define QSA_PART_MATH\n",
-    ),
-    "prefill_flash_ascending": (  # blocks in ascending order (prefill_flash_form_cuda)
-        "prefill_flash.cu", "attend",
-        [("q", BF), ("keys", BF), ("values", BF), ("ids", "int32_t"), ("valid", "bool"),
-         ("pos", "int32_t")], [("out", BF)],
-        [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4),
-         ("SCALE_BITS", 1031798784)], "#define QSA_ASCENDING\n",
-    ),
+    "prefill_flash": ("prefill_flash.cu", "attend", PF_IN, [("out", BF)], PF_T, ""),
     "prefill_flash_skip": (
-        "prefill_flash.cu", "attend",
-        [("q", BF), ("keys", BF), ("values", BF), ("ids", "int32_t"), ("valid", "bool"),
-         ("pos", "int32_t"), ("counts", "int32_t")], [("out", BF)],
-        [("D", 256), ("G", 12), ("HKV", 2), ("K", 512), ("RATIO", 4),
-         ("SCALE_BITS", 1031798784), ("LIMIT", 1024)], "#define QSA_TILE_SKIP\n",
+        "prefill_flash.cu", "attend", PF_IN + [("counts", "int32_t")], [("out", BF)],
+        PF_T + [("LIMIT", 1024)], "#define QSA_TILE_SKIP\n",
     ),
+    # the benchmarks' forms (prefill_flash_form_cuda: loads alone, math alone, ascending order)
+    **{f"prefill_flash_{name}": ("prefill_flash.cu", "attend", PF_IN, [("out", BF)], PF_T, prefix)
+       for name, prefix in FORMS.items()},
     "tile_union": (
         "prefill_flash.cu", "union_pre+tile_union",
         [("ids", "int32_t"), ("valid", "bool"), ("pos", "int32_t"), ("keys", BF)],
