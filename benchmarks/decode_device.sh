@@ -19,8 +19,8 @@
 # overhead: host µs per MLX primitive, CUDA graphs on and off (benchmarks/mlx_overhead.py)
 # quick:   a decode subset with CUDA graphs on and off
 # parts:   the prefill kernels one at a time, prefill_flash against its forms (loads alone, math
-#          alone, blocks in ascending order), bytes floor, selection overlap (prefill_parts.py;
-#          PARTS_PREFIXES, default 32k,128k)
+#          alone), bytes floor, selection overlap (prefill_parts.py; PARTS_PREFIXES, default
+#          32k,128k)
 # partsgraphs: the same with CUDA graphs on, then off (default prefix 32k)
 # ncuprefill: Nsight Compute sections of the prefill kernels (NCU_PREFIXES, default 32768 131072)
 # ncuproducer: the prefill score producer's per-instruction warp stalls (source page, SASS) and

@@ -159,7 +159,7 @@ JOBS = {
         "prefill_flash.cu", "attend", PF_IN + [("counts", "int32_t")], [("out", BF)],
         PF_T + [("LIMIT", 1024)], "#define QSA_TILE_SKIP\n",
     ),
-    # the benchmarks' forms (prefill_flash_form_cuda: loads alone, math alone, ascending order)
+    # the benchmarks' forms (prefill_flash_form_cuda: loads alone, math alone)
     **{f"prefill_flash_{name}": ("prefill_flash.cu", "attend", PF_IN, [("out", BF)], PF_T, prefix)
        for name, prefix in FORMS.items()},
     "tile_union": (

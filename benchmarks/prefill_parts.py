@@ -6,7 +6,7 @@ For each prefix it times, on the same rotated inputs (`bench.DecodeSet`, real ge
 the `mpp` score producer alone over the chunk's RUNTIME §6.3 pieces, the top-k kernel alone on
 planes made beforehand, the whole selection (`select_prefill_cuda`) and `prefill_flash` alone;
 then, in turns on the GPU clock, `prefill_flash` against its forms (`prefill_flash_form_cuda`:
-its K/V loads without the math, its math without the loads, the blocks in ascending order).
+its K/V loads without the math, its math without the loads).
 It also counts the bytes `prefill_flash` must read (each row's selected K/V tokens, every KV
 head) against the copy bandwidth measured in the same run, and how much adjacent rows'
 selections overlap (the union of a tile of consecutive rows against the sum of its rows).
@@ -102,9 +102,8 @@ def measure(cfg: QSAConfig, T0: int, S: int, a: argparse.Namespace, bw: float) -
 
         return run
 
-    # The kernel and its forms on the GPU clock, in turns: its halves (loads alone, math alone;
-    # it costs at least the larger, which bounds what speeding up the other can gain), and the
-    # blocks in ascending order (CTAs running at once then sweep the context together).
+    # The kernel and its halves on the GPU clock, in turns (loads alone, math alone): it costs
+    # at least the larger, which bounds what speeding up the other can gain.
     forms = {"prefill_flash_gpu": bench.mlx_gpu_pass(attend, n)}
     forms |= {f"{name}_gpu": bench.mlx_gpu_pass(form(name), n) for name in FORMS}
     t.update(bench.time_in_turns(forms, w, k))

@@ -15,7 +15,6 @@
 // QSA_PART_STREAM / QSA_PART_MATH (benchmarks only, `prefill_flash_form_cuda`): the K/V loads
 // without the math, or the math over zeroed stages without the loads; both write zeros. Their
 // times bound what the per-row kernel can gain from faster math or faster loads.
-// QSA_ASCENDING (benchmarks only): the row's blocks in ascending order, not selection order.
 // Template: D, G, HKV, K, RATIO, SCALE_BITS (+ LIMIT). 128 threads; dynamic shared memory:
 // 3 stages x (K, V) x 64 x (D + 8) bf16, q 16 x (D + 8) bf16, token list K * RATIO + RATIO int.
 constexpr int NT = 128, STEP = 64, VS = D + 8, NTILE = D / 8, NSTAGE = 3;
@@ -52,30 +51,6 @@ for (int e = 0; e < EPT; ++e) {
   cnt += b >= 0;
 }
 int n_blk;
-#ifdef QSA_ASCENDING
-// The blocks in ascending order instead (benchmarks only, `prefill_flash_form_cuda`): CTAs
-// running at once then sweep the context together, which may keep their K/V in L2. A bitmap of
-// the row's visible blocks over the idle stage buffers, then a scan of its words in order.
-unsigned* bm = reinterpret_cast<unsigned*>(kv_s);
-const int n_words = p >= 0 ? ((p + 1) / RATIO + 31) / 32 : 0;
-for (int w = tid; w < n_words; w += NT) bm[w] = 0u;
-__syncthreads();
-#pragma unroll
-for (int e = 0; e < EPT; ++e)
-  if (bid[e] >= 0 && bid[e] / 32 < n_words) atomicOr(&bm[bid[e] / 32], 1u << (bid[e] % 32));
-__syncthreads();
-const int wpt = (n_words + NT - 1) / NT, w0 = tid * wpt;  // a thread's contiguous words
-int mine = 0;
-for (int w = w0; w < min(w0 + wpt, n_words); ++w) mine += __popc(bm[w]);
-int at = qsa::block_excl_scan<NT>(mine, scan_s, &n_blk);
-for (int w = w0; w < min(w0 + wpt, n_words); ++w)
-  for (unsigned bits = bm[w]; bits; bits &= bits - 1) {
-    const int b = w * 32 + __ffs(bits) - 1;
-#pragma unroll
-    for (int t = 0; t < RATIO; ++t) tok_s[at * RATIO + t] = b * RATIO + t;
-    ++at;
-  }
-#else
 int at = qsa::block_excl_scan<NT>(cnt, scan_s, &n_blk);
 #pragma unroll
 for (int e = 0; e < EPT; ++e)
@@ -84,7 +59,6 @@ for (int e = 0; e < EPT; ++e)
     for (int t = 0; t < RATIO; ++t) tok_s[at * RATIO + t] = bid[e] * RATIO + t;
     ++at;
   }
-#endif
 const int tail0 = p >= 0 ? (p + 1) / RATIO * RATIO : 0;
 const int n_tail = p >= 0 ? p + 1 - tail0 : 0;
 if (tid < n_tail) tok_s[n_blk * RATIO + tid] = tail0 + tid;

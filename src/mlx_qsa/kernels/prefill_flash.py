@@ -273,8 +273,6 @@ def _attend(
 FORMS = {
     "stream": "#define QSA_PART_STREAM\n",
     "math": "#define QSA_PART_MATH\n",
-    "ascending": "#define QSA_ASCENDING\n",
-    "ascending_stream": "#define QSA_ASCENDING\n#define QSA_PART_STREAM\n",
 }
 
 
@@ -293,10 +291,7 @@ def prefill_flash_form_cuda(
     """The per-row kernel in one of the benchmarks' `FORMS`. `stream` issues its K/V loads
     without the math and `math` its tensor-core work and softmax over zeroed stages without
     the loads (both write zeros): the kernel costs at least the larger of the two, so each
-    bounds what speeding up the other can gain (PERFORMANCE.md §3: 8.6 GB of K/V a chunk).
-    `ascending` attends each row's blocks in ascending order instead of selection order (the
-    same tokens, so the output within rounding of the kernel's), which may let the CTAs that
-    run at once share K/V in L2; `ascending_stream` is its loads alone."""
+    bounds what speeding up the other can gain (PERFORMANCE.md §3: 8.6 GB of K/V a chunk)."""
     fn = "prefill_flash_form_cuda"
     if form not in FORMS:
         raise ValueError(f"{fn}: form must be one of {tuple(FORMS)}, got {form!r}")
