@@ -37,6 +37,8 @@ const long long cap = keys_shape[2];
 const int p = pos[row * pos_strides[0]];
 
 // 1. The token list: valid selected blocks in selection order (block-wide scan), then the tail.
+// The selector writes each row's valid ids ascending (RUNTIME §7), so the blocks stream in
+// context order; a form that sorted them measured 1-2 % slower (2026-12-08).
 int bid[EPT];
 int cnt = 0;
 #pragma unroll
